@@ -1,0 +1,152 @@
+"""The shared vocabulary of every environment: Task, EpisodeState, Env, and the tool-call parser.
+
+One protocol for every agentic domain (Qwen-native): tools are JSON schemas in OpenAI's function
+format, passed to the chat template with `tools=`; the policy writes
+    <tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call>
+and each result comes back as a {"role": "tool", "name": ..., "content": str} message.
+
+An environment never raises on what the model writes: malformed JSON, unknown tools, wrong argument
+types, empty or endless text all become observations (an error string in a tool message) or a zero
+reward. Nothing the model writes ever reaches eval/exec. Bad *user* input (an unknown domain, a
+missing data directory, a malformed task file) raises EnvError with one clear line.
+"""
+import json
+import re
+from dataclasses import dataclass, field
+
+SPLITS = ("train", "val", "test", "ood")  # val: for weight/hyper-parameter search, never test
+
+
+class EnvError(ValueError):
+    """Bad input from the user (not the model): scripts print it as one line and exit non-zero."""
+
+
+@dataclass
+class Task:
+    id: str                      # unique within (env, split), stable across runs for the same seed
+    env: str                     # domain tag: math | search | ecommerce | if
+    split: str                   # train | val | test | ood, or a benchmark name at full scale
+    messages: list               # opening chat messages (system and/or user), dicts with role/content
+    tools: list | None = None    # JSON schemas (OpenAI function format) or None
+    gold: dict = field(default_factory=dict)  # hidden: answer, constraints, expected db, ...
+
+
+@dataclass
+class EpisodeState:
+    task: Task
+    messages: list               # the transcript so far; starts as a copy of task.messages
+    done: bool = False
+    truncated: bool = False      # set by the rollout loop when a turn/token limit cut the episode
+    turns: int = 0               # assistant turns taken
+    info: dict = field(default_factory=dict)  # env-private state: db, search count, user state, ...
+
+
+class Env:
+    """One domain. Subclasses set `domain` and `max_turns` and implement the five methods."""
+    domain = ""
+    max_turns = 1
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list:
+        """Tasks of a split: generated from `seed` in the tiny arena, loaded from real data otherwise."""
+        raise NotImplementedError
+
+    def reset(self, task: Task) -> EpisodeState:
+        return EpisodeState(task=task, messages=[dict(m) for m in task.messages])
+
+    def step(self, state: EpisodeState, text: str) -> list:
+        """Append the policy's assistant turn `text`; return the new observation messages (tool
+        results or the user's reply, possibly empty) and set state.done when the episode ends."""
+        raise NotImplementedError
+
+    def score(self, state: EpisodeState) -> tuple:
+        """(reward, metrics) of a finished (or truncated) episode; metrics is {name: float}."""
+        raise NotImplementedError
+
+    def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
+        """Tiny arena only: n complete example conversations for the base model's pre-training corpus,
+        each {"messages": [...including assistant turns...], "tools": [...] | None}. A fraction
+        `noise` of them is deliberately wrong (wrong answer, rule ignored, wrong tool argument) so the
+        base is weak but not zero and RL has signal. Drawn from the train split's distribution only."""
+        raise NotImplementedError
+
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple:
+    """Find every <tool_call>...</tool_call> block in `text`.
+
+    Returns (calls, errors): calls is a list of (name: str, arguments: dict) for well-formed blocks,
+    errors a list of one-line strings, one per malformed block (bad JSON, no name, arguments not an
+    object). Never raises; an unterminated last block is parsed up to the end of the text."""
+    calls, errors = [], []
+    if not isinstance(text, str):
+        return calls, ["tool call text is not a string"]
+    for raw in TOOL_CALL_RE.findall(text):
+        raw = raw.strip()
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            errors.append(f"invalid JSON in tool call: {raw[:80]!r}")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append("a tool call must be a JSON object with a string 'name'")
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):  # some models double-encode the arguments
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                pass
+        if not isinstance(args, dict):
+            errors.append(f"arguments of '{obj['name']}' must be a JSON object")
+            continue
+        calls.append((obj["name"], args))
+    return calls, errors
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """The exact text the policy is expected to write for one call (used by demos and tests)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "</tool_call>"
+
+
+def tool_message(name: str, content) -> dict:
+    """A tool result message; non-string content is JSON-encoded."""
+    if not isinstance(content, str):
+        content = json.dumps(content, ensure_ascii=False, sort_keys=True)
+    return {"role": "tool", "name": name, "content": content}
+
+
+def function_schema(name: str, description: str, properties: dict, required=None) -> dict:
+    """A tool's JSON schema in OpenAI's function format, e.g.
+    function_schema("search", "Search the corpus.", {"query": {"type": "string"}}, ["query"])."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties,
+                       "required": list(properties) if required is None else list(required)}}}
+
+
+def read_jsonl(path) -> list:
+    """Rows of a JSONL (or a JSON list) file; EnvError with one clear line on a missing/malformed file."""
+    import os
+    if not os.path.isfile(path):
+        raise EnvError(f"data file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except ValueError as e:
+            raise EnvError(f"malformed JSON in {path}: {e}") from None
+        if not isinstance(rows, list):
+            raise EnvError(f"malformed JSON in {path}: expected a list of objects")
+        return rows
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            raise EnvError(f"malformed JSON on line {i} of {path}: {e}") from None
+    return rows

@@ -1,0 +1,235 @@
+"""The tiny arena's model and data: a byte-level BPE tokenizer trained on the worlds' text, a
+Qwen3-architecture model of about a million parameters, and its pre-training on generic text plus
+noisy demonstrations from every domain, so the base is weak but not zero everywhere and RL has signal.
+
+    python -m envs.tiny                                  # -> runs/tiny/base, a few minutes on 2 CPU cores
+    python -m envs.tiny --out runs/tiny/base --steps 1500 --seed 0
+
+Differences from the paper (which starts from Qwen3-8B-Base):
+1. The base is built here from scratch; its "pre-training" corpus is generic text from the worlds
+   plus deliberately noisy demonstrations (about half wrong), with the loss on assistant tokens only
+   for conversations and on every token for generic text.
+2. The chat template is Qwen3's format (<|im_start|>role ... <|im_end|>, <tool_call>, tool results as
+   <tool_response> inside a user turn) but lists tools compactly, one `name(arg, ...)` line each,
+   because the tiny model pays for every prompt token.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+# The chat template: Qwen3's layout, tools listed compactly. `{% generation %}` marks the assistant
+# tokens so apply_chat_template(..., return_assistant_tokens_mask=True) can mask the loss.
+CHAT_TEMPLATE = (
+    "{%- set sys = messages[0].content if messages and messages[0].role == 'system' else '' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}{%- if sys -%}{{- sys + '\\n' -}}{%- endif -%}{{- '# Tools' -}}"
+    "{%- for t in tools -%}{%- set f = t.function if t.function is defined else t -%}"
+    "{{- '\\n' + f.name + '(' -}}"
+    "{%- if f.parameters is defined and f.parameters.properties is defined -%}{{- f.parameters.properties.keys()|join(', ') -}}{%- endif -%}"
+    "{{- ')' -}}{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+    "{%- elif sys -%}{{- '<|im_start|>system\\n' + sys + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' and loop.first -%}"
+    "{%- elif m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}{%- generation -%}{{- m.content or '' -}}"
+    "{%- for tc in (m.tool_calls or []) -%}{{- '<tool_call>' + ((tc.function if tc.function is defined else tc) | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}{{- '<|im_end|>' -}}{%- endgeneration -%}{{- '\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# Qwen2/3's pre-tokenizer split: every digit is its own pre-token, so numbers stay digit-by-digit.
+SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Model sizes (Qwen3 architecture, tied embeddings). DESIGN.md: ~0.6M learned three toy tasks and
+# 3.3M was no better but 3-4x slower; four domains with multi-turn tool use want a little more.
+SIZES = {
+    "tiny": dict(hidden_size=160, num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1,
+                 head_dim=32, intermediate_size=512),
+    "micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, intermediate_size=128),   # for unit tests: seconds, not minutes
+}
+
+
+def train_tokenizer(texts, vocab_size: int = 1024):
+    """A byte-level BPE tokenizer in Qwen's style, trained on `texts`, with the chat template set."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL + ADDED, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=SPECIAL[1:], clean_up_tokenization_spaces=False)
+    hf.chat_template = CHAT_TEMPLATE
+    hf.padding_side = "left"
+    return hf
+
+
+def model_config(tokenizer, size: str = "tiny", max_len: int = 1024):
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=max_len,
+                       rope_theta=10000.0, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, **SIZES[size])
+
+
+def build_corpus(n_demos: int, noise: float, seed: int, domains=None):
+    """Pre-training documents: every domain's demos (chat, loss on assistant tokens) plus generic text
+    (the same worlds' user/tool text, without the chat template, loss on every token)."""
+    from envs import DOMAINS, make_env
+    chats, generic = [], []
+    for i, d in enumerate(domains or DOMAINS):
+        demos = make_env(d).demos(n_demos, seed=seed * 1000 + i, noise=noise)
+        chats += [(d, x) for x in demos]
+        for x in demos[: n_demos // 4]:
+            generic.append("\n".join(m["content"] for m in x["messages"] if m["role"] in ("user", "tool")))
+    return chats, generic
+
+
+def encode_corpus(tokenizer, chats, generic, max_len: int):
+    """-> list of (ids, loss_mask) lists; conversations longer than max_len are dropped, not cut."""
+    rows, dropped = [], 0
+    for _, x in chats:
+        out = tokenizer.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = out["input_ids"], out["assistant_masks"]
+        if len(ids) > max_len:
+            dropped += 1
+            continue
+        rows.append((ids, mask))
+    for text in generic:
+        ids = tokenizer(text)["input_ids"][:max_len]
+        rows.append((ids, [1] * len(ids)))
+    return rows, dropped
+
+
+def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int = 100):
+    """AdamW with warmup + cosine decay on length-bucketed batches of (ids, mask) rows."""
+    rng = random.Random(seed)
+    rows = sorted(rows, key=lambda r: len(r[0]))
+    batches, cur = [], []
+    for r in rows:  # buckets of similar length, about batch_tokens tokens each (padding is waste)
+        cur.append(r)
+        if len(cur) * len(r[0]) >= batch_tokens:
+            batches.append(cur)
+            cur = []
+    if cur:
+        batches.append(cur)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 20)
+    pad = model.config.pad_token_id
+    model.train()
+    t0, losses = time.time(), []
+    for step in range(1, steps + 1):
+        batch = rng.choice(batches)
+        T = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), T), pad, dtype=torch.long)      # (B, T), right-padded
+        mask = torch.zeros((len(batch), T), dtype=torch.float)        # (B, T) loss mask
+        attn = torch.zeros((len(batch), T), dtype=torch.long)
+        for i, (x, m) in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+            attn[i, : len(x)] = 1
+        lr_now = lr * min(1.0, step / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
+        for g in opt.param_groups:
+            g["lr"] = lr_now
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T-1, V)
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
+                                                reduction="none").view(len(batch), T - 1)
+        m = mask[:, 1:]
+        loss = (nll * m).sum() / m.sum().clamp(min=1)
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite pre-training loss at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % log_every == 0 or step == steps:
+            el = time.time() - t0
+            print(f"step {step:5d}/{steps} | loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f} "
+                  f"| lr {lr_now:.2e} | {el:.0f}s elapsed, ETA {el / step * (steps - step):.0f}s", flush=True)
+    model.eval()
+    return losses
+
+
+def build_base(out: str, steps: int = 1500, seed: int = 0, size: str = "tiny", n_demos: int = 4000,
+               noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 4096, lr: float = 3e-3,
+               max_len: int = 1024, domains=None, threads: int | None = None):
+    """Build the tokenizer, the model and pre-train it; save a HF checkpoint at `out`. Returns out."""
+    from transformers import Qwen3ForCausalLM
+
+    from common import save_checkpoint, seed_all
+    if threads:
+        torch.set_num_threads(threads)
+    seed_all(seed)
+    t0 = time.time()
+    chats, generic = build_corpus(n_demos, noise, seed, domains)
+    texts = [json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"]) for _, x in chats]
+    tok = train_tokenizer(texts + generic, vocab_size)
+    rows, dropped = encode_corpus(tok, chats, generic, max_len)
+    n_tok = sum(len(r[0]) for r in rows)
+    print(f"corpus: {len(chats)} conversations + {len(generic)} generic documents = {n_tok} tokens "
+          f"({dropped} over {max_len} tokens dropped); vocab {len(tok)}; built in {time.time() - t0:.1f}s", flush=True)
+    cfg = model_config(tok, size, max_len)
+    model = Qwen3ForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: Qwen3 {size}, {n_params / 1e6:.2f}M parameters", flush=True)
+    losses = pretrain(model, rows, steps, batch_tokens, lr, seed)
+    elapsed = time.time() - t0
+    meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed,
+                config=dict(size=size, steps=steps, n_demos=n_demos, noise=noise, vocab_size=vocab_size,
+                            batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or [])),
+                n_params=n_params, corpus_tokens=n_tok, final_loss=sum(losses[-50:]) / len(losses[-50:]),
+                build_seconds=round(elapsed, 1))
+    save_checkpoint(out, model, tok, meta)
+    print(f"saved {out} in {elapsed:.0f}s", flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write")
+    p.add_argument("--steps", type=int, default=1500, help="pre-training steps")
+    p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the init")
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size")
+    p.add_argument("--n-demos", type=int, default=4000, help="demonstrations per domain")
+    p.add_argument("--noise", type=float, default=0.5, help="fraction of deliberately wrong demonstrations")
+    p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (length-bucketed)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--max-len", type=int, default=1024, help="longest sequence the model is built for")
+    p.add_argument("--domains", default="math,search,ecommerce,if", help="domains whose demos enter the corpus")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    a = p.parse_args()
+    from envs import EnvError, parse_domains
+    try:
+        domains = parse_domains(a.domains)
+        if a.steps < 1 or a.n_demos < 1 or not 0 <= a.noise <= 1 or a.lr <= 0 or a.vocab_size < 300:
+            raise EnvError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
+    except EnvError as e:
+        sys.exit(f"error: {e}")
+    build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
+               domains, a.threads)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

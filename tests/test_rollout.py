@@ -1,0 +1,113 @@
+"""The rollout loop: masks, log-probs, limits, on a micro model and on a scripted backend."""
+import torch
+
+from envs.base import Env, parse_tool_calls, tool_call_text, tool_message
+from envs.rollout import ChatML, Generation, HFBackend, rollout
+from envs.base import Task, function_schema
+
+
+class EchoEnv(Env):
+    """A toy multi-turn env: every tool call gets a tool message back; a turn without one ends it."""
+    domain, max_turns = "echo", 3
+
+    def step(self, state, text):
+        state.messages.append({"role": "assistant", "content": text})
+        state.turns += 1
+        calls, errors = parse_tool_calls(text)
+        obs = [tool_message(n, f"result for {a}") for n, a in calls] + [tool_message("error", e) for e in errors]
+        if not calls and not errors:
+            state.done = True
+        elif state.turns >= self.max_turns:
+            state.done = True
+            obs = []
+        state.messages += obs
+        return obs
+
+    def score(self, state):
+        last = state.messages[-1]["content"] if state.messages[-1]["role"] == "assistant" else ""
+        return float("ok" in last), {"turns": float(state.turns)}
+
+
+TASK = Task("t0", "echo", "test", [{"role": "system", "content": "sys"}, {"role": "user", "content": "go"}],
+            tools=[function_schema("search", "s", {"query": {"type": "string"}})])
+
+
+class ScriptedBackend:
+    """Returns fixed turns (as text) in order, encoded with the tokenizer, ending with a stop token."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.i = tok, turns, 0
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids):
+        out = []
+        for _ in prompts:
+            text = self.turns[min(self.i, len(self.turns) - 1)]
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            ids = ids[:max_new_tokens]
+            out.append(Generation(ids, [-0.5] * len(ids), ids[-1] in stop_ids))
+        self.i += 1
+        return out
+
+
+def masked_text(tok, ep):
+    return tok.decode([t for t, m in zip(ep.token_ids, ep.loss_mask) if m], skip_special_tokens=False)
+
+
+def test_masks_cover_exactly_the_policy_turns(micro):
+    _, tok = micro
+    call = tool_call_text("search", {"query": "x"})
+    turns = [call, "<answer>ok</answer><|im_end|>"]
+    ep = rollout(ScriptedBackend(tok, turns), tok, [(EchoEnv(), TASK)], n_samples=1)[0]
+    assert masked_text(tok, ep) == call + "<answer>ok</answer><|im_end|>"
+    assert ep.reward == 1.0 and not ep.truncated and ep.turns == 2
+    # the full sequence is exactly the chat template's rendering of the transcript
+    full = tok.apply_chat_template(ep.messages, tools=TASK.tools, tokenize=False)
+    assert tok.decode(ep.token_ids, skip_special_tokens=False) == full
+    assert len(ep.token_ids) == len(ep.loss_mask) == len(ep.logprobs)
+    assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.loss_mask) if not m)
+    # tool output tokens are masked out
+    assert "result for" not in masked_text(tok, ep)
+
+
+def test_turn_limit_truncates(micro):
+    _, tok = micro
+    call = tool_call_text("search", {"query": "again"})
+    eps = rollout(ScriptedBackend(tok, [call]), tok, [(EchoEnv(), TASK)], n_samples=2, max_turns=2)
+    for ep in eps:
+        assert ep.truncated and ep.turns == 2 and ep.reward == 0.0
+        assert masked_text(tok, ep) == call * 2
+
+
+def test_token_limit_truncates_mid_turn(micro):
+    _, tok = micro
+    long = "word " * 200 + "<|im_end|>"
+    ep = rollout(ScriptedBackend(tok, [long]), tok, [(EchoEnv(), TASK)], max_tokens=80)[0]
+    assert ep.truncated and len(ep.token_ids) == 80
+    assert ep.loss_mask[-1] == 1
+
+
+def test_hf_backend_logprobs_match_teacher_forcing(micro):
+    model, tok = micro
+    chat = ChatML(tok)
+    prompts = [chat.prompt(TASK.messages, TASK.tools), chat.prompt([{"role": "user", "content": "hi"}], None)]
+    torch.manual_seed(0)
+    gens = HFBackend(model, tok, max_batch=8).generate(prompts, 12, 1.0, chat.stop_ids)
+    for p, g in zip(prompts, gens):
+        assert 1 <= len(g.token_ids) <= 12
+        ids = torch.tensor([p + g.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, len(p) - 1:-1].float(), -1)
+        ref = logp.gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+        assert torch.allclose(ref, torch.tensor(g.logprobs), atol=1e-4), (ref, g.logprobs)
+
+
+def test_hf_rollout_end_to_end_masks(micro):
+    model, tok = micro
+    eps = rollout(HFBackend(model, tok), tok, [(EchoEnv(), TASK)] * 3, n_samples=2, max_tokens=200,
+                  max_turn_tokens=30, seed=0)
+    assert len(eps) == 6 and [e.sample for e in eps] == [0, 1] * 3
+    for ep in eps:
+        assistant = [m["content"] for m in ep.messages if m["role"] == "assistant"]
+        text = masked_text(tok, ep).replace("<|im_end|>", "")
+        assert text == "".join(assistant)
+        assert ep.n_sampled > 0 and all(lp <= 0 for lp in ep.logprobs)
