@@ -3,12 +3,13 @@ Qwen3-architecture model of about a million parameters, and its pre-training on 
 noisy demonstrations from every domain, so the base is weak but not zero everywhere and RL has signal.
 
     python -m envs.tiny                                  # -> runs/tiny/base, a few minutes on 2 CPU cores
-    python -m envs.tiny --out runs/tiny/base --steps 1500 --seed 0
+    python -m envs.tiny --out runs/tiny/base --steps 2000 --seed 0
 
 Differences from the paper (which starts from Qwen3-8B-Base):
 1. The base is built here from scratch; its "pre-training" corpus is generic text from the worlds
-   plus deliberately noisy demonstrations (about half wrong), with the loss on assistant tokens only
-   for conversations and on every token for generic text.
+   plus deliberately noisy demonstrations (about half wrong). The loss is on every token by default
+   (--loss-on all): at this size, copying (operands, names, ids) is learned from the prompts' and tool
+   results' tokens too, and assistant-only loss left it unlearned for thousands of steps.
 2. The chat template is Qwen3's format (<|im_start|>role ... <|im_end|>, <tool_call>, tool results as
    <tool_response> inside a user turn) but lists tools compactly, one `name(arg, ...)` line each,
    because the tiny model pays for every prompt token.
@@ -91,54 +92,62 @@ def model_config(tokenizer, size: str = "tiny", max_len: int = 1024):
 
 
 def build_corpus(n_demos: int, noise: float, seed: int, domains=None):
-    """Pre-training documents: every domain's demos (chat, loss on assistant tokens) plus generic text
-    (the same worlds' user/tool text, without the chat template, loss on every token)."""
+    """Pre-training documents as (group, example): every domain's demos (chat, loss on assistant tokens)
+    and generic text (the worlds' user/tool text without the chat template, loss on every token)."""
     from envs import DOMAINS, make_env
     chats, generic = [], []
     for i, d in enumerate(domains or DOMAINS):
         demos = make_env(d).demos(n_demos, seed=seed * 1000 + i, noise=noise)
         chats += [(d, x) for x in demos]
         for x in demos[: n_demos // 4]:
-            generic.append("\n".join(m["content"] for m in x["messages"] if m["role"] in ("user", "tool")))
+            generic.append(("generic", "\n".join(m["content"] for m in x["messages"] if m["role"] in ("user", "tool"))))
     return chats, generic
 
 
-def encode_corpus(tokenizer, chats, generic, max_len: int):
-    """-> list of (ids, loss_mask) lists; conversations longer than max_len are dropped, not cut."""
+def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all"):
+    """-> list of (group, ids, loss_mask); conversations longer than max_len are dropped, not cut.
+    loss_on="assistant" masks the loss to assistant tokens (SFT-style); "all" trains on every token."""
     rows, dropped = [], 0
-    for _, x in chats:
+    for group, x in chats:
         out = tokenizer.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids, mask = out["input_ids"], out["assistant_masks"]
+        if loss_on == "all":
+            mask = [1] * len(ids)
         if len(ids) > max_len:
             dropped += 1
             continue
-        rows.append((ids, mask))
-    for text in generic:
+        rows.append((group, ids, mask))
+    for group, text in generic:
         ids = tokenizer(text)["input_ids"][:max_len]
-        rows.append((ids, [1] * len(ids)))
+        rows.append((group, ids, [1] * len(ids)))
     return rows, dropped
 
 
+def make_batches(rows, batch_tokens: int):
+    """Length-bucketed batches of about batch_tokens tokens each, never mixing groups: {group: [batch]}."""
+    groups = {}
+    for g, ids, mask in sorted(rows, key=lambda r: (r[0], len(r[1]))):
+        bs = groups.setdefault(g, [[]])
+        bs[-1].append((ids, mask))
+        if len(bs[-1]) * len(ids) >= batch_tokens:
+            bs.append([])
+    return {g: [b for b in bs if b] for g, bs in groups.items()}
+
+
 def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int = 100):
-    """AdamW with warmup + cosine decay on length-bucketed batches of (ids, mask) rows."""
+    """AdamW, warmup + cosine decay. Each step draws a group (a domain, or generic text) uniformly, then
+    one of its length-bucketed batches: a long multi-turn domain gets as many updates as a short one."""
     rng = random.Random(seed)
-    rows = sorted(rows, key=lambda r: len(r[0]))
-    batches, cur = [], []
-    for r in rows:  # buckets of similar length, about batch_tokens tokens each (padding is waste)
-        cur.append(r)
-        if len(cur) * len(r[0]) >= batch_tokens:
-            batches.append(cur)
-            cur = []
-    if cur:
-        batches.append(cur)
+    batches = make_batches(rows, batch_tokens)
+    names = sorted(batches)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
     pad = model.config.pad_token_id
     model.train()
     t0, losses = time.time(), []
     for step in range(1, steps + 1):
-        batch = rng.choice(batches)
+        batch = rng.choice(batches[rng.choice(names)])
         T = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), T), pad, dtype=torch.long)      # (B, T), right-padded
         mask = torch.zeros((len(batch), T), dtype=torch.float)        # (B, T) loss mask
@@ -170,9 +179,9 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
     return losses
 
 
-def build_base(out: str, steps: int = 1500, seed: int = 0, size: str = "tiny", n_demos: int = 4000,
-               noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 4096, lr: float = 3e-3,
-               max_len: int = 1024, domains=None, threads: int | None = None):
+def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n_demos: int = 3000,
+               noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
+               max_len: int = 2048, domains=None, threads: int | None = None, loss_on: str = "all"):
     """Build the tokenizer, the model and pre-train it; save a HF checkpoint at `out`. Returns out."""
     from transformers import Qwen3ForCausalLM
 
@@ -183,9 +192,9 @@ def build_base(out: str, steps: int = 1500, seed: int = 0, size: str = "tiny", n
     t0 = time.time()
     chats, generic = build_corpus(n_demos, noise, seed, domains)
     texts = [json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"]) for _, x in chats]
-    tok = train_tokenizer(texts + generic, vocab_size)
-    rows, dropped = encode_corpus(tok, chats, generic, max_len)
-    n_tok = sum(len(r[0]) for r in rows)
+    tok = train_tokenizer(texts + [t for _, t in generic], vocab_size)
+    rows, dropped = encode_corpus(tok, chats, generic, max_len, loss_on)
+    n_tok = sum(len(r[1]) for r in rows)
     print(f"corpus: {len(chats)} conversations + {len(generic)} generic documents = {n_tok} tokens "
           f"({dropped} over {max_len} tokens dropped); vocab {len(tok)}; built in {time.time() - t0:.1f}s", flush=True)
     cfg = model_config(tok, size, max_len)
@@ -196,7 +205,8 @@ def build_base(out: str, steps: int = 1500, seed: int = 0, size: str = "tiny", n
     elapsed = time.time() - t0
     meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed,
                 config=dict(size=size, steps=steps, n_demos=n_demos, noise=noise, vocab_size=vocab_size,
-                            batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or [])),
+                            batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or []),
+                            loss_on=loss_on),
                 n_params=n_params, corpus_tokens=n_tok, final_loss=sum(losses[-50:]) / len(losses[-50:]),
                 build_seconds=round(elapsed, 1))
     save_checkpoint(out, model, tok, meta)
@@ -207,17 +217,19 @@ def build_base(out: str, steps: int = 1500, seed: int = 0, size: str = "tiny", n
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=1500, help="pre-training steps")
+    p.add_argument("--steps", type=int, default=2000, help="pre-training steps")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the init")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size")
-    p.add_argument("--n-demos", type=int, default=4000, help="demonstrations per domain")
+    p.add_argument("--n-demos", type=int, default=3000, help="demonstrations per domain")
     p.add_argument("--noise", type=float, default=0.5, help="fraction of deliberately wrong demonstrations")
     p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (length-bucketed)")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per batch (length-bucketed)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    p.add_argument("--max-len", type=int, default=1024, help="longest sequence the model is built for")
+    p.add_argument("--max-len", type=int, default=2048, help="longest sequence the model is built for")
     p.add_argument("--domains", default="math,search,ecommerce,if", help="domains whose demos enter the corpus")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--loss-on", default="all", choices=["all", "assistant"],
+                   help="pre-training loss on every token of a conversation, or on assistant tokens only")
     a = p.parse_args()
     from envs import EnvError, parse_domains
     try:
@@ -227,7 +239,7 @@ def main():
     except EnvError as e:
         sys.exit(f"error: {e}")
     build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
-               domains, a.threads)
+               domains, a.threads, a.loss_on)
 
 
 if __name__ == "__main__":

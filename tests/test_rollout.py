@@ -1,9 +1,8 @@
 """The rollout loop: masks, log-probs, limits, on a micro model and on a scripted backend."""
 import torch
 
-from envs.base import Env, parse_tool_calls, tool_call_text, tool_message
+from envs.base import Env, Task, function_schema, parse_tool_calls, tool_call_text, tool_message
 from envs.rollout import ChatML, Generation, HFBackend, rollout
-from envs.base import Task, function_schema
 
 
 class EchoEnv(Env):

@@ -1,0 +1,1006 @@
+"""E-commerce tool use, modelled on tau-bench retail: a store database, 17 tools, a simulated user,
+and tau-bench's reward.
+
+    env = EcommerceEnv()                                   # tiny arena: retail (train/val/test), telecom (ood)
+    env = EcommerceEnv(data="data/tau2_retail", user_url="http://localhost:8000/v1", user_model="gpt-4o")
+
+Tiny arena: every task carries its own small store (two users, a few orders, three products) built
+from (split, seed). A scripted user states its goal, tells who it is when asked, says "yes" when asked
+to confirm, and ends with ###STOP### when the agent stops asking questions. In the tiny arena a write
+tool refuses to run until the user has confirmed, so the policy "confirm before any change" matters.
+Splits train/val/test are the retail store (users disjoint by split); `ood` is a small telecom store
+with other tools and another policy (as tau3's telecom differs from retail).
+
+Full scale: `data=DIR` holds tau-bench v1 retail data (users.json, orders.json, products.json,
+tasks_<split>.py or .json, wiki.md) or tau2/tau3 data (db.json, tasks.json, split_tasks.json,
+policy.md). The user is an LLM behind an OpenAI-compatible chat endpoint (`user_url`); v1 task files
+are Python, so they are read with `ast` as data and never imported.
+
+Reward (tau-bench): 1 iff the final database equals the initial one with the task's gold actions
+replayed on it, every required output string appears in the agent's words, and the episode ended
+properly (the user said ###STOP### or the agent transferred; a truncated episode scores 0, as in tau2).
+Metrics: success, db_match, outputs_ok, tool_calls, tool_errors, turns, user_error.
+"""
+import ast
+import hashlib
+import http.client
+import json
+import os
+import random
+import re
+import urllib.request
+
+from envs.base import SPLITS, Env, EnvError, Task, function_schema, parse_tool_calls, tool_call_text, tool_message
+
+STOP = "###STOP###"
+MAX_CALLS_PER_TURN = 8
+REASONS = ("no longer needed", "ordered by mistake")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tools: plain functions over the database dict. A refusal raises ToolError, which step() turns into an
+# "Error: ..." tool message; argument names and types are checked against the schema before any call.
+
+class ToolError(Exception):
+    """A tool refused the call; the text goes back to the policy as 'Error: ...'."""
+
+
+def _get(table, key, what):
+    if key not in table:
+        raise ToolError(f"{what} not found")
+    return table[key]
+
+
+def _payment(db, user_id, method_id):
+    return _get(_get(db["users"], user_id, "user")["payment_methods"], method_id, "payment method")
+
+
+def _check_items(order, item_ids):
+    have = [it["item_id"] for it in order["items"]]
+    for i in item_ids:
+        if item_ids.count(i) > have.count(i):
+            raise ToolError(f"item {i} not found in the order")
+
+
+def _price_change(db, order, item_ids, new_item_ids):
+    """Total price difference of swapping items for variants of the same products (all checked first)."""
+    if len(item_ids) != len(new_item_ids) or not item_ids:
+        raise ToolError("item_ids and new_item_ids must be non-empty and of the same length")
+    _check_items(order, item_ids)
+    diff = 0
+    for old, new in zip(item_ids, new_item_ids):
+        item = next(it for it in order["items"] if it["item_id"] == old)
+        variants = _get(db["products"], item["product_id"], "product")["variants"]
+        if new == old or new not in variants or not variants[new].get("available", False):
+            raise ToolError(f"new item {new} is not an available other option of the same product")
+        diff += variants[new]["price"] - item["price"]
+    return round(diff, 2)
+
+
+def find_user_id_by_email(db, email):
+    for user_id, user in db["users"].items():
+        if user["email"].lower() == email.lower():
+            return user_id
+    raise ToolError("user not found")
+
+
+def find_user_id_by_name_zip(db, first_name, last_name, zip):
+    for user_id, user in db["users"].items():
+        name = user["name"]
+        if (name["first_name"].lower(), name["last_name"].lower(), user["address"]["zip"]) == \
+                (first_name.lower(), last_name.lower(), zip):
+            return user_id
+    raise ToolError("user not found")
+
+
+def get_user_details(db, user_id):
+    return _get(db["users"], user_id, "user")
+
+
+def get_order_details(db, order_id):
+    return _get(db["orders"], order_id, "order")
+
+
+def get_product_details(db, product_id):
+    return _get(db["products"], product_id, "product")
+
+
+def get_item_details(db, item_id):
+    for product in db["products"].values():
+        if item_id in product["variants"]:
+            return product["variants"][item_id]
+    raise ToolError("item not found")
+
+
+def list_all_product_types(db):
+    return {p["name"]: p["product_id"] for p in db["products"].values()}
+
+
+def cancel_pending_order(db, order_id, reason):
+    order = _get(db["orders"], order_id, "order")
+    if order["status"] != "pending":
+        raise ToolError("non-pending order cannot be cancelled")
+    if reason not in REASONS:
+        raise ToolError("reason must be 'no longer needed' or 'ordered by mistake'")
+    methods = [_payment(db, order["user_id"], p["payment_method_id"]) for p in order["payment_history"]]
+    refunds = []
+    for p, method in zip(order["payment_history"], methods):
+        refunds.append({"transaction_type": "refund", "amount": p["amount"], "payment_method_id": p["payment_method_id"]})
+        if method["source"] == "gift_card":  # gift cards are refunded at once, other methods in 5-7 days
+            method["balance"] = round(method["balance"] + p["amount"], 2)
+    order["status"] = "cancelled"
+    order["cancel_reason"] = reason
+    order["payment_history"].extend(refunds)
+    return order
+
+
+def modify_pending_order_address(db, order_id, address1, address2, city, state, country, zip):
+    order = _get(db["orders"], order_id, "order")
+    if "pending" not in order["status"]:
+        raise ToolError("non-pending order cannot be modified")
+    order["address"] = {"address1": address1, "address2": address2, "city": city, "state": state,
+                        "country": country, "zip": zip}
+    return order
+
+
+def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
+    order = _get(db["orders"], order_id, "order")
+    if order["status"] != "pending":
+        raise ToolError("non-pending order cannot be modified")
+    diff = _price_change(db, order, item_ids, new_item_ids)
+    method = _payment(db, order["user_id"], payment_method_id)
+    if method["source"] == "gift_card" and method["balance"] < diff:
+        raise ToolError("insufficient gift card balance to pay for the new items")
+    order["payment_history"].append({"transaction_type": "payment" if diff > 0 else "refund", "amount": abs(diff),
+                                     "payment_method_id": payment_method_id})
+    if method["source"] == "gift_card":
+        method["balance"] = round(method["balance"] - diff, 2)
+    for old, new in zip(item_ids, new_item_ids):
+        item = next(it for it in order["items"] if it["item_id"] == old)
+        variant = db["products"][item["product_id"]]["variants"][new]
+        item.update(item_id=new, price=variant["price"], options=variant["options"])
+    order["status"] = "pending (item modified)"
+    return order
+
+
+def modify_pending_order_payment(db, order_id, payment_method_id):
+    order = _get(db["orders"], order_id, "order")
+    if "pending" not in order["status"]:
+        raise ToolError("non-pending order cannot be modified")
+    history = order["payment_history"]
+    if len(history) != 1 or history[0]["transaction_type"] != "payment":
+        raise ToolError("there should be exactly one payment for a pending order")
+    old_id, amount = history[0]["payment_method_id"], history[0]["amount"]
+    if old_id == payment_method_id:
+        raise ToolError("the new payment method should be different from the current one")
+    new, old = _payment(db, order["user_id"], payment_method_id), _payment(db, order["user_id"], old_id)
+    if new["source"] == "gift_card" and new["balance"] < amount:
+        raise ToolError("insufficient gift card balance to pay for the order")
+    history += [{"transaction_type": "payment", "amount": amount, "payment_method_id": payment_method_id},
+                {"transaction_type": "refund", "amount": amount, "payment_method_id": old_id}]
+    if new["source"] == "gift_card":
+        new["balance"] = round(new["balance"] - amount, 2)
+    if old["source"] == "gift_card":
+        old["balance"] = round(old["balance"] + amount, 2)
+    return order
+
+
+def modify_user_address(db, user_id, address1, address2, city, state, country, zip):
+    user = _get(db["users"], user_id, "user")
+    user["address"] = {"address1": address1, "address2": address2, "city": city, "state": state,
+                       "country": country, "zip": zip}
+    return user
+
+
+def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
+    order = _get(db["orders"], order_id, "order")
+    if order["status"] != "delivered":
+        raise ToolError("non-delivered order cannot be returned")
+    method = _payment(db, order["user_id"], payment_method_id)
+    if method["source"] != "gift_card" and payment_method_id != order["payment_history"][0]["payment_method_id"]:
+        raise ToolError("the refund must go to the original payment method or a gift card")
+    if not item_ids:
+        raise ToolError("item_ids must not be empty")
+    _check_items(order, item_ids)
+    order["status"] = "return requested"
+    order["return_items"] = sorted(item_ids)
+    order["return_payment_method_id"] = payment_method_id
+    return order
+
+
+def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
+    order = _get(db["orders"], order_id, "order")
+    if order["status"] != "delivered":
+        raise ToolError("non-delivered order cannot be exchanged")
+    diff = _price_change(db, order, item_ids, new_item_ids)
+    method = _payment(db, order["user_id"], payment_method_id)
+    if method["source"] == "gift_card" and method["balance"] < diff:
+        raise ToolError("insufficient gift card balance to pay for the price difference")
+    order["status"] = "exchange requested"
+    order["exchange_items"] = sorted(item_ids)
+    order["exchange_new_items"] = sorted(new_item_ids)
+    order["exchange_payment_method_id"] = payment_method_id
+    order["exchange_price_difference"] = diff
+    return order
+
+
+def _arith(node):
+    """Value of an expression tree made only of numbers, + - * / and unary minus; anything else refuses."""
+    if isinstance(node, ast.Expression):
+        return _arith(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _arith(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        a, b = _arith(node.left), _arith(node.right)
+        if isinstance(node.op, ast.Div):
+            if b == 0:
+                raise ToolError("division by zero")
+            return a / b
+        return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
+    raise ToolError("only numbers, + - * / and parentheses are allowed")
+
+
+def calculate(db, expression):
+    # Parsing is not evaluating: ast.parse only builds a tree, and _arith accepts numbers and four
+    # operators. The character filter and length cap keep names, calls and deep nesting out entirely.
+    if len(expression) > 200 or not re.fullmatch(r"[0-9+\-*/(). ]+", expression):
+        raise ToolError("the expression may only contain numbers, + - * / ( ) and spaces (at most 200 characters)")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise ToolError("invalid expression") from None
+    try:
+        return str(round(float(_arith(tree)), 2))
+    except (OverflowError, RecursionError):
+        raise ToolError("number too large") from None
+
+
+def transfer_to_human_agents(db, summary):
+    return "Transfer successful"
+
+
+def think(db, thought):
+    return ""
+
+
+# The telecom store (tiny arena's out-of-domain split): customers, phone lines, plans.
+
+def find_customer_by_phone(db, phone):
+    for line in db["lines"].values():
+        if line["phone"] == phone:
+            return line["customer_id"]
+    raise ToolError("customer not found")
+
+
+def get_customer_details(db, customer_id):
+    return _get(db["customers"], customer_id, "customer")
+
+
+def get_line_details(db, line_id):
+    return _get(db["lines"], line_id, "line")
+
+
+def list_plans(db):
+    return {p["name"]: p["plan_id"] for p in db["plans"].values()}
+
+
+def suspend_line(db, line_id, reason):
+    line = _get(db["lines"], line_id, "line")
+    if line["status"] != "active":
+        raise ToolError("only an active line can be suspended")
+    if reason not in ("lost phone", "travel"):
+        raise ToolError("reason must be 'lost phone' or 'travel'")
+    line.update(status="suspended", suspend_reason=reason)
+    return line
+
+
+def resume_line(db, line_id):
+    line = _get(db["lines"], line_id, "line")
+    if line["status"] != "suspended":
+        raise ToolError("only a suspended line can be resumed")
+    line["status"] = "active"
+    line.pop("suspend_reason", None)
+    return line
+
+
+def change_plan(db, line_id, plan_id):
+    line = _get(db["lines"], line_id, "line")
+    _get(db["plans"], plan_id, "plan")
+    if line["status"] != "active" or line["plan_id"] == plan_id:
+        raise ToolError("the line must be active and the plan different from the current one")
+    line["plan_id"] = plan_id
+    return line
+
+
+def add_data(db, line_id, gb):
+    line = _get(db["lines"], line_id, "line")
+    if not 1 <= gb <= 10:
+        raise ToolError("gb must be between 1 and 10")
+    line["data_gb"] += gb
+    db["customers"][line["customer_id"]]["balance"] += 5 * gb  # data costs $5 per GB, billed to the customer
+    return line
+
+
+S, SL, INT = {"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "integer"}
+ADDRESS = {k: S for k in ("address1", "address2", "city", "state", "country", "zip")}
+GENERIC = [
+    (calculate, "Calculate an arithmetic expression such as '2 + 2'.", {"expression": S}),
+    (transfer_to_human_agents, "Transfer the user to a human agent, with a summary.", {"summary": S}),
+    (think, "Think; changes nothing.", {"thought": S}),
+]
+RETAIL = [
+    (find_user_id_by_email, "Find a user id by email.", {"email": S}),
+    (find_user_id_by_name_zip, "Find a user id by first name, last name and zip.",
+     {"first_name": S, "last_name": S, "zip": S}),
+    (get_user_details, "Get a user's details, with their orders.", {"user_id": S}),
+    (get_order_details, "Get an order's status and details.", {"order_id": S}),
+    (get_product_details, "Get a product's variant items.", {"product_id": S}),
+    (get_item_details, "Get an item's details.", {"item_id": S}),
+    (list_all_product_types, "List product names and ids.", {}),
+    (cancel_pending_order, "Cancel a pending order; reason 'no longer needed' or 'ordered by mistake'.",
+     {"order_id": S, "reason": S}),
+    (modify_pending_order_address, "Change a pending order's shipping address.", {"order_id": S, **ADDRESS}),
+    (modify_pending_order_items, "Swap items of a pending order for other options of the same product.",
+     {"order_id": S, "item_ids": SL, "new_item_ids": SL, "payment_method_id": S}),
+    (modify_pending_order_payment, "Change a pending order's payment method.", {"order_id": S, "payment_method_id": S}),
+    (modify_user_address, "Change a user's default address.", {"user_id": S, **ADDRESS}),
+    (return_delivered_order_items, "Return items of a delivered order.",
+     {"order_id": S, "item_ids": SL, "payment_method_id": S}),
+    (exchange_delivered_order_items, "Exchange items of a delivered order for other options of the same product.",
+     {"order_id": S, "item_ids": SL, "new_item_ids": SL, "payment_method_id": S}),
+] + GENERIC
+TELECOM = [
+    (find_customer_by_phone, "Find a customer id by phone number.", {"phone": S}),
+    (get_customer_details, "Get a customer's details and line ids.", {"customer_id": S}),
+    (get_line_details, "Get a line's phone, plan, status and data.", {"line_id": S}),
+    (list_plans, "List plan names and ids.", {}),
+    (suspend_line, "Suspend an active line; reason 'lost phone' or 'travel'.", {"line_id": S, "reason": S}),
+    (resume_line, "Resume a suspended line.", {"line_id": S}),
+    (change_plan, "Move an active line to another plan.", {"line_id": S, "plan_id": S}),
+    (add_data, "Add 1-10 GB of data to a line ($5 per GB).", {"line_id": S, "gb": INT}),
+] + GENERIC
+# world -> {tool name: (function, schema)}
+TOOLS = {world: {fn.__name__: (fn, function_schema(fn.__name__, desc, props)) for fn, desc, props in table}
+         for world, table in (("retail", RETAIL), ("telecom", TELECOM))}
+SCHEMAS = {world: [schema for _, schema in tools.values()] for world, tools in TOOLS.items()}
+WRITES = {"cancel_pending_order", "modify_pending_order_address", "modify_pending_order_items",
+          "modify_pending_order_payment", "modify_user_address", "return_delivered_order_items",
+          "exchange_delivered_order_items", "suspend_line", "resume_line", "change_plan", "add_data"}
+
+
+def _check_args(schema, args):
+    """None if `args` fit the schema (no unknown or missing names, right JSON types), else the problem."""
+    params = schema["function"]["parameters"]
+    for k in args:
+        if k not in params["properties"]:
+            return f"unexpected argument {k[:40]!r}"
+    for k in params["required"]:
+        if k not in args:
+            return f"missing argument {k!r}"
+    for k, v in args.items():
+        kind = params["properties"][k]["type"]
+        ok = {"string": isinstance(v, str),
+              "integer": isinstance(v, int) and not isinstance(v, bool),
+              "array": isinstance(v, list) and all(isinstance(x, str) for x in v)}[kind]
+        if not ok:
+            return f"argument {k!r} must be {'an array of strings' if kind == 'array' else 'a ' + kind}"
+    return None
+
+
+def run_tool(world, db, name, args):
+    """(text, ok) of one call on `db` (changed in place for write tools); never raises on model input."""
+    if name not in TOOLS[world]:
+        return f"Error: unknown tool {name[:40]!r}", False
+    fn, schema = TOOLS[world][name]
+    problem = _check_args(schema, args)
+    if problem:
+        return f"Error: {problem}", False
+    try:
+        out = fn(db, **args)
+    except ToolError as e:
+        return f"Error: {e}", False
+    return (out if isinstance(out, str) else json.dumps(out, sort_keys=True, separators=(",", ":"))), True
+
+
+def db_hash(db) -> str:
+    """The canonical fingerprint of a database (key order does not matter)."""
+    return hashlib.sha256(json.dumps(db, sort_keys=True).encode()).hexdigest()
+
+
+def _copy(db):
+    return json.loads(json.dumps(db))  # a deep copy, and much faster than copy.deepcopy on the real store
+
+
+def replay(world, db, actions):
+    """The database after running the gold `actions` on a copy of `db` (errors are ignored, as in tau-bench)."""
+    db = _copy(db)
+    for a in actions:
+        if a["name"] != "transfer_to_human_agents":
+            run_tool(world, db, a["name"], a["arguments"])
+    return db
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tiny arena: one small store per task, generated from (split, seed).
+
+TINY_POLICY = {
+    "retail": "You are a retail store agent. Verify the user by email, or name and zip. Check the order. "
+              "Ask the user to confirm (yes/no) before any change. Cancel reasons: no longer needed, ordered by mistake.",
+    "telecom": "You are a phone company agent. Verify the customer by phone number. Check the line. "
+               "Ask the customer to confirm (yes/no) before any change. Suspend reasons: lost phone, travel.",
+}
+ASK_ID = {"retail": "Sure. What is your email, or your name and zip?", "telecom": "Sure. What is your phone number?"}
+ANSWER = {"count": "You have {} orders.", "bill": "You owe {} dollars."}
+FIRST = ("Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jay", "Kit", "Lou", "Max", "Ned", "Oda",
+         "Pam", "Ray", "Sue", "Tom", "Uma", "Vic", "Wes", "Zoe")
+LAST = ("Lee", "Kim", "Diaz", "Ford", "Gray", "Hall", "Khan", "Lopez", "Moss", "Nash", "Park", "Reed", "Shaw",
+        "Wood", "Young", "Cruz")
+PLACES = (("Ely", "NV"), ("Troy", "NY"), ("Bend", "OR"), ("Waco", "TX"), ("Mesa", "AZ"), ("Erie", "PA"),
+          ("Lima", "OH"), ("Provo", "UT"))
+STREETS = ("Oak St", "Elm St", "Pine Rd", "Main St", "Lake Ave", "Hill Rd")
+PRODUCTS = {"lamp": ("color", ("red", "blue", "green", "black")), "shirt": ("size", ("S", "M", "L", "XL")),
+            "mug": ("color", ("white", "red", "blue", "black")), "boots": ("size", ("7", "8", "9", "10")),
+            "kettle": ("material", ("steel", "glass", "plastic")), "bag": ("material", ("leather", "canvas", "nylon")),
+            "watch": ("strap", ("metal", "leather", "rubber")), "chair": ("color", ("gray", "black", "white"))}
+PLANS = (("basic", 20, 5), ("plus", 40, 20), ("max", 60, 50))
+RETAIL_KINDS = ("cancel", "address", "return", "exchange", "count")
+TELECOM_KINDS = ("suspend", "resume", "plan", "data", "bill")
+# Users' numbers by split (k % 4): train, val and test never share a user, so test is not memorised.
+RESIDUES = {"train": (0, 1), "val": (2,), "test": (3,), "ood": (0, 1, 2, 3)}
+
+
+def _fresh(rng, used, digits=4):
+    while True:
+        x = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+        if x not in used:
+            used.add(x)
+            return x
+
+
+def _people(rng, split, n):
+    """n people (first, last, number) with distinct first names and split-specific numbers."""
+    out = []
+    for first in rng.sample(FIRST, n):
+        k = 4 * rng.randrange(25, 250) + rng.choice(RESIDUES[split])  # 100..999
+        out.append((first, rng.choice(LAST), k))
+    return out
+
+
+def _address(rng, used):
+    city, state = rng.choice(PLACES)
+    return {"address1": f"{rng.randint(1, 99)} {rng.choice(STREETS)}", "address2": "", "city": city,
+            "state": state, "country": "USA", "zip": _fresh(rng, used, 5)}
+
+
+def _act(name, **arguments):
+    return {"name": name, "arguments": arguments}
+
+
+def _retail_task(rng, split, task_id):
+    used = set()
+    products = {}
+    for name in rng.sample(sorted(PRODUCTS), 3):
+        key, values = PRODUCTS[name]
+        pid = _fresh(rng, used)
+        variants = {}
+        for value in rng.sample(values, 3):
+            iid = _fresh(rng, used)
+            variants[iid] = {"item_id": iid, "options": {key: value}, "available": True, "price": rng.randint(10, 99)}
+        products[pid] = {"name": name, "product_id": pid, "variants": variants}
+    kind = rng.choice(RETAIL_KINDS)
+    users, orders = {}, {}
+    for j, (first, last, k) in enumerate(_people(rng, split, 2)):
+        uid = f"{first}_{last}_{k}".lower()
+        source = rng.choice(("credit_card", "gift_card", "paypal"))
+        pm = {"source": source, "id": f"{source}_{_fresh(rng, used, 3)}"}
+        if source == "gift_card":
+            pm["balance"] = rng.randint(100, 300)
+        address = _address(rng, used)
+        oids = []
+        for _ in range(rng.randint(1, 3) if j == 0 else 1):
+            oid = "#W" + _fresh(rng, used)
+            items = []
+            for p in rng.sample(list(products.values()), rng.randint(1, 2)):
+                v = rng.choice(list(p["variants"].values()))
+                items.append({"item_id": v["item_id"], "product_id": p["product_id"], "name": p["name"],
+                              "price": v["price"], "options": dict(v["options"])})
+            # Tiny orders leave out the shipping address (tau-bench's orders have one): shorter tool output.
+            orders[oid] = {"order_id": oid, "user_id": uid, "status": rng.choice(("pending", "delivered", "processed")),
+                           "items": items, "payment_history": [
+                               {"transaction_type": "payment", "amount": sum(it["price"] for it in items),
+                                "payment_method_id": pm["id"]}]}
+            oids.append(oid)
+        users[uid] = {"user_id": uid, "name": {"first_name": first, "last_name": last},
+                      "email": f"{first}.{last}{k}@x.com".lower(), "address": address,
+                      "payment_methods": {pm["id"]: pm}, "orders": oids}
+    db = {"users": users, "orders": orders, "products": products}
+
+    uid = next(iter(users))
+    user = users[uid]
+    if rng.random() < 0.5:
+        identity, find = user["email"], _act("find_user_id_by_email", email=user["email"])
+    else:
+        first, last, zip_ = user["name"]["first_name"], user["name"]["last_name"], user["address"]["zip"]
+        identity = f"{first} {last}, zip {zip_}"
+        find = _act("find_user_id_by_name_zip", first_name=first, last_name=last, zip=zip_)
+    oid = user["orders"][0]
+    order = orders[oid]
+    other_oid = rng.choice([o for o in orders if o != oid])
+    item = rng.choice(order["items"])
+    pm_id = order["payment_history"][0]["payment_method_id"]
+    outputs, noise = [], {}
+    if kind == "count":
+        goal = "How many orders do I have?"
+        actions = [find, _act("get_user_details", user_id=uid)]
+        outputs = [str(len(user["orders"]))]
+        noise["wrong_arg"] = str(len(user["orders"]) + 1)
+    else:
+        order["status"] = "pending" if kind in ("cancel", "address") else "delivered"
+        actions = [find, _act("get_order_details", order_id=oid)]
+        if kind == "cancel":
+            reason = rng.choice(REASONS)
+            goal = f"Cancel order {oid} please, " + ("I no longer need it." if reason == REASONS[0] else
+                                                      "I ordered it by mistake.")
+            write = _act("cancel_pending_order", order_id=oid, reason=reason)
+            noise["wrong_arg"] = dict(write["arguments"], reason=REASONS[1] if reason == REASONS[0] else REASONS[0])
+        elif kind == "address":
+            new = _address(rng, used)
+            goal = f"Please ship order {oid} to {new['address1']}, {new['city']}, {new['state']} {new['zip']}."
+            write = _act("modify_pending_order_address", order_id=oid, **new)
+            noise["wrong_arg"] = dict(write["arguments"], zip=new["zip"][:4] + str((int(new["zip"][4]) + 1) % 10))
+        elif kind == "return":
+            goal = f"Return the {item['name']} in order {oid} please."
+            write = _act("return_delivered_order_items", order_id=oid, item_ids=[item["item_id"]], payment_method_id=pm_id)
+            others = [i for i in products[item["product_id"]]["variants"] if i != item["item_id"]]
+            noise["wrong_arg"] = dict(write["arguments"], item_ids=[rng.choice(others)])
+        else:  # exchange for another option of the same product
+            product = products[item["product_id"]]
+            new_iid, wrong_iid = rng.sample([i for i in product["variants"] if i != item["item_id"]], 2)
+            (key, value), = product["variants"][new_iid]["options"].items()
+            goal = f"Exchange the {item['name']} in order {oid} for {key} {value}."
+            actions.append(_act("get_product_details", product_id=product["product_id"]))
+            write = _act("exchange_delivered_order_items", order_id=oid, item_ids=[item["item_id"]],
+                         new_item_ids=[new_iid], payment_method_id=pm_id)
+            noise["wrong_arg"] = dict(write["arguments"], new_item_ids=[wrong_iid])
+        noise["wrong_order"] = dict(write["arguments"], order_id=other_oid)
+        actions.append(write)
+    return _tiny_task(task_id, split, "retail", kind, db, actions, outputs, goal, identity, noise)
+
+
+def _telecom_task(rng, split, task_id):
+    used = set()
+    plans = {}
+    for name, price, gb in PLANS:
+        pid = _fresh(rng, used)
+        plans[pid] = {"plan_id": pid, "name": name, "price": price, "data_gb": gb}
+    kind = rng.choice(TELECOM_KINDS)
+    customers, lines = {}, {}
+    for first, last, k in _people(rng, split, 2):
+        cid = f"{first}_{last}_{k}".lower()
+        lids = []
+        for _ in range(rng.randint(1, 2)):
+            lid = "L" + _fresh(rng, used)
+            lines[lid] = {"line_id": lid, "customer_id": cid, "phone": "555-" + _fresh(rng, used),
+                          "plan_id": rng.choice(sorted(plans)), "status": rng.choice(("active", "suspended")),
+                          "data_gb": rng.randint(0, 9)}
+            lids.append(lid)
+        customers[cid] = {"customer_id": cid, "name": f"{first} {last}", "balance": rng.choice((0, rng.randint(5, 99))),
+                          "line_ids": lids}
+    db = {"customers": customers, "lines": lines, "plans": plans}
+
+    cid = next(iter(customers))
+    lids = customers[cid]["line_ids"]
+    lid = rng.choice(lids)
+    line = lines[lid]
+    other_lid = rng.choice([x for x in lines if x != lid])
+    identity = line["phone"]
+    actions = [_act("find_customer_by_phone", phone=line["phone"]), _act("get_customer_details", customer_id=cid)]
+    outputs, noise = [], {}
+    if kind == "bill":
+        customers[cid]["balance"] = rng.randint(5, 99)
+        goal = "How much do I owe?"
+        outputs = [str(customers[cid]["balance"])]
+        noise["wrong_arg"] = str(customers[cid]["balance"] + 1)  # n+1 never contains n as a substring
+    else:
+        # The agent learns which of the customer's lines is the caller's by looking at them in order.
+        actions += [_act("get_line_details", line_id=x) for x in lids[:lids.index(lid) + 1]]
+        line["status"] = "suspended" if kind == "resume" else "active"
+        if kind == "suspend":
+            reason = rng.choice(("lost phone", "travel"))
+            goal = "Please suspend my line, " + ("I lost my phone." if reason == "lost phone" else "I am going to travel.")
+            write = _act("suspend_line", line_id=lid, reason=reason)
+            noise["wrong_arg"] = dict(write["arguments"], reason="travel" if reason == "lost phone" else "lost phone")
+        elif kind == "resume":
+            goal = "Please resume my line."
+            write = _act("resume_line", line_id=lid)
+            noise["wrong_arg"] = dict(write["arguments"], line_id="L" + _fresh(rng, used))
+        elif kind == "plan":
+            new_pid, wrong_pid = rng.sample(sorted(p for p in plans if p != line["plan_id"]), 2)
+            goal = f"Switch my line to the {plans[new_pid]['name']} plan."
+            actions.append(_act("list_plans"))
+            write = _act("change_plan", line_id=lid, plan_id=new_pid)
+            noise["wrong_arg"] = dict(write["arguments"], plan_id=wrong_pid)
+        else:
+            gb = rng.randint(1, 5)
+            goal = f"Add {gb} GB of data to my line."
+            write = _act("add_data", line_id=lid, gb=gb)
+            noise["wrong_arg"] = dict(write["arguments"], gb=gb + 1)
+        noise["wrong_order"] = dict(write["arguments"], line_id=other_lid)
+        actions.append(write)
+    return _tiny_task(task_id, split, "telecom", kind, db, actions, outputs, goal, identity, noise)
+
+
+def _tiny_task(task_id, split, world, kind, db, actions, outputs, goal, identity, noise):
+    """gold: the initial db, the gold actions and required outputs (the reward), the scripted user's
+    lines, and `noise`: mistaken write arguments that demos() uses for its deliberately wrong episodes."""
+    return Task(id=task_id, env="ecommerce", split=split, tools=SCHEMAS[world],
+                messages=[{"role": "system", "content": TINY_POLICY[world]}, {"role": "user", "content": goal}],
+                gold={"world": world, "kind": kind, "db": db, "actions": actions, "outputs": outputs,
+                      "user": {"goal": goal, "identity": identity},
+                      "instruction": f"{goal} If asked who you are, say: {identity}.", "noise": noise})
+
+
+def expert_turns(task, mistake=None):
+    """The assistant texts of a by-the-book episode for a tiny task (ask identity, look up, confirm, act,
+    tell the user), or of one with a `mistake`: wrong_arg, wrong_order, no_confirm or no_action."""
+    g = task.gold
+    actions = g["actions"]
+    write = actions[-1] if actions[-1]["name"] in WRITES else None
+    reads = actions[:-1] if write else actions
+    texts = [ASK_ID[g["world"]]] + [tool_call_text(a["name"], a["arguments"]) for a in reads]
+    if write is None:  # an information request: answer with the required output
+        return texts + [ANSWER[g["kind"]].format(g["noise"]["wrong_arg"] if mistake == "wrong_arg" else g["outputs"][0])]
+    args = g["noise"][mistake] if mistake in ("wrong_arg", "wrong_order") else write["arguments"]
+    if mistake != "no_confirm":
+        shown = [", ".join(v) if isinstance(v, list) else str(v) for v in args.values()]
+        texts.append(f"Please confirm (yes/no): {write['name']} {', '.join(s for s in shown if s)}.")
+    if mistake != "no_action":
+        texts.append(tool_call_text(write["name"], args))
+    return texts + ["Done."]
+
+
+def play(env, task, texts):
+    """Drive one episode with fixed assistant `texts` (until the episode ends); returns the state."""
+    state = env.reset(task)
+    for text in texts:
+        if state.done:
+            break
+        env.step(state, text)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------
+# Full scale: tau-bench v1 / tau2 retail data from a local directory.
+
+DEFAULT_POLICY = ("You are a retail store agent. Authenticate the user by email, or by name and zip, before "
+                  "anything else. Check an order's status before acting. List the details of any change and get "
+                  "an explicit yes before you make it. Make one tool call at a time. Transfer to a human agent only "
+                  "if the request is outside what the tools can do.")
+
+
+def _read_json(path):
+    if not os.path.isfile(path):
+        raise EnvError(f"e-commerce data file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise EnvError(f"malformed JSON in {path}: {e}") from None
+
+
+def load_store(data_dir):
+    """(db, policy) of a tau-bench v1 (users/orders/products.json) or tau2 (db.json) retail directory."""
+    if not os.path.isdir(data_dir):
+        raise EnvError(f"e-commerce data directory not found: {data_dir}")
+    tables = ("users", "orders", "products")
+    if os.path.isfile(os.path.join(data_dir, "db.json")):
+        db = _read_json(os.path.join(data_dir, "db.json"))
+    elif all(os.path.isfile(os.path.join(data_dir, t + ".json")) for t in tables):
+        db = {t: _read_json(os.path.join(data_dir, t + ".json")) for t in tables}
+    else:
+        raise EnvError(f"no retail database in {data_dir}: expected db.json (tau2) or users.json, orders.json, "
+                       "products.json (tau-bench v1)")
+    if not isinstance(db, dict) or not all(isinstance(db.get(t), dict) for t in tables):
+        raise EnvError(f"the retail database in {data_dir} must hold users, orders and products objects keyed by id")
+    db = {t: db[t] for t in tables}
+    policy = DEFAULT_POLICY
+    for name in ("policy.md", "wiki.md"):
+        if os.path.isfile(os.path.join(data_dir, name)):
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                policy = f.read().strip()
+            break
+    return db, policy
+
+
+def _py_value(node):
+    """A literal from a tau-bench v1 task file: constants, lists, dicts and Task(...)/Action(...) calls
+    (read as dicts of their keyword arguments). Anything else is refused; nothing is run."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_py_value(x) for x in node.elts]
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+        return -node.operand.value
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Task", "Action")
+            and not node.args and all(kw.arg for kw in node.keywords)):
+        return {kw.arg: _py_value(kw.value) for kw in node.keywords}
+    raise ValueError(f"line {getattr(node, 'lineno', '?')}: {type(node).__name__} is not a literal")
+
+
+def _read_py_tasks(path):
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError as e:
+        raise EnvError(f"cannot parse {path}: {e.msg} (line {e.lineno})") from None
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.List):
+            try:
+                return [_py_value(x) for x in node.value.elts]
+            except ValueError as e:
+                raise EnvError(f"unsupported task in {path}: {e}") from None
+    raise EnvError(f"no task list (NAME = [...]) found in {path}")
+
+
+def _instruction(scenario):
+    """tau2's user_scenario as one instruction text for the LLM user."""
+    instr = scenario.get("instructions") if isinstance(scenario, dict) else scenario
+    if isinstance(instr, dict):
+        parts = [f"{k.replace('_', ' ').capitalize()}: {instr[k]}" for k in
+                 ("reason_for_call", "known_info", "unknown_info", "task_instructions") if instr.get(k)]
+        instr = "\n".join(parts)
+    persona = scenario.get("persona") if isinstance(scenario, dict) else None
+    return (f"Persona: {persona}\n" if persona else "") + str(instr or "")
+
+
+def load_tasks(data_dir, split):
+    """[{id, instruction, actions: [{name, arguments}], outputs}] of one split of a data directory."""
+    tau2 = os.path.join(data_dir, "tasks.json")
+    if os.path.isfile(tau2):
+        rows = _read_json(tau2)
+        if not isinstance(rows, list):
+            raise EnvError(f"malformed {tau2}: expected a list of tasks")
+        split_file = os.path.join(data_dir, "split_tasks.json")
+        if os.path.isfile(split_file):
+            splits = _read_json(split_file)
+            if not isinstance(splits, dict) or split not in splits:
+                names = ", ".join(splits) if isinstance(splits, dict) else "none"
+                raise EnvError(f"unknown split {split!r} in {split_file}; expected one of {names}")
+            keep = {str(i) for i in splits[split]}
+            rows = [r for r in rows if isinstance(r, dict) and str(r.get("id")) in keep]
+        elif split != "all":
+            raise EnvError(f"{data_dir} has no split_tasks.json: use split 'all' or add the file")
+        out = []
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict):
+                raise EnvError(f"malformed task {i} in {tau2}: expected an object")
+            crit = r.get("evaluation_criteria") or {}
+            out.append({"id": str(r.get("id", i)), "instruction": _instruction(r.get("user_scenario")),
+                        "actions": [{"name": a.get("name"), "arguments": a.get("arguments", {})}
+                                    for a in crit.get("actions") or [] if isinstance(a, dict)],
+                        "outputs": crit.get("communicate_info") or []})
+    else:
+        py, js = (os.path.join(data_dir, f"tasks_{split}.{ext}") for ext in ("py", "json"))
+        if os.path.isfile(py):
+            rows = _read_py_tasks(py)
+        elif os.path.isfile(js):
+            rows = _read_json(js)
+        else:
+            raise EnvError(f"no tasks for split {split!r} in {data_dir}: expected tasks.json (tau2) or "
+                           f"tasks_{split}.py / tasks_{split}.json (tau-bench v1)")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise EnvError(f"malformed task file for split {split!r} in {data_dir}: expected a list of tasks")
+        out = [{"id": str(i), "instruction": str(r.get("instruction", "")),
+                "actions": [{"name": a.get("name"), "arguments": a.get("kwargs", a.get("arguments", {}))}
+                            for a in r.get("actions") or [] if isinstance(a, dict)],
+                "outputs": r.get("outputs") or []} for i, r in enumerate(rows)]
+    for t in out:  # tool names and arguments are tau-bench's own, so gold actions replay unchanged
+        t["actions"] = [a for a in t["actions"] if a["name"] != "respond"]  # v1's "talk to the user" action
+        for a in t["actions"]:
+            if a["name"] not in TOOLS["retail"] or not isinstance(a["arguments"], dict):
+                raise EnvError(f"task {t['id']} of {data_dir}: unknown gold action {a['name']!r}")
+        if not isinstance(t["outputs"], list) or not all(isinstance(o, str) for o in t["outputs"]):
+            raise EnvError(f"task {t['id']} of {data_dir}: outputs must be a list of strings")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The simulated users.
+
+ID_WORDS = ("email", "zip", "name", "phone", "verify", "identif")
+USER_SYSTEM = ("You are a customer talking to a support agent. Your instruction:\n{instruction}\n\n"
+               "Write one short message per turn, as the customer. Give only the information the current step "
+               "needs, never invent information the instruction does not give, and do not copy the instruction. "
+               f"When your goal is done, or cannot be done, reply with {STOP} alone.")
+
+
+def scripted_reply(info, user, text):
+    """The tiny arena's user: tells who it is when asked, says yes when asked to confirm, and stops once
+    a change was made or the agent stops asking (after restating its goal at most twice)."""
+    t = text.lower()
+    asks_id = any(w in t for w in ID_WORDS)
+    if asks_id and not info["revealed"]:
+        info["revealed"] = True
+        return user["identity"]
+    if "confirm" in t or "yes/no" in t:
+        info["confirmed"] = True
+        return "yes"
+    if asks_id:
+        return user["identity"]
+    if info["writes"] or "?" not in t or info["restated"] >= 2:
+        return STOP
+    info["restated"] += 1
+    return user["goal"]
+
+
+class EcommerceEnv(Env):
+    """Retail (tau-bench style) tool use with a simulated user; tiny arena by default, real data with `data`.
+
+    data: a tau-bench v1 or tau2/tau3 retail directory (None: the tiny arena).
+    user_url: an OpenAI-compatible endpoint (e.g. http://host:8000/v1) for the LLM user; required with
+        `data`; None means the tiny arena's scripted user.
+    user_model, user_api_key_env, user_timeout: the user model's name, the environment variable that holds
+        its API key, and the HTTP timeout in seconds.
+    max_turns: assistant turns per episode (default 10 tiny, 30 full, as tau-bench's 30 steps)."""
+    domain = "ecommerce"
+
+    def __init__(self, data=None, user_url=None, user_model="gpt-4o", user_api_key_env="OPENAI_API_KEY",
+                 user_timeout=60.0, max_turns=None):
+        if data is not None and not user_url:
+            raise EnvError("real e-commerce data needs an LLM user: pass user_url (an OpenAI-compatible endpoint)")
+        self.data, self.user_url, self.user_model = data, user_url, user_model
+        self.user_api_key_env, self.user_timeout = user_api_key_env, user_timeout
+        self.max_turns = max_turns or (10 if data is None else 30)
+        self.db, self.policy = load_store(data) if data is not None else (None, None)
+        self._gold_hash = {}  # task id -> hash, so the real store is replayed once per task
+
+    def tasks(self, split, n=None, seed=0):
+        if self.data is not None:
+            rows = load_tasks(self.data, split)[:n]
+            return [Task(id=f"ecommerce-{split}-{r['id']}", env="ecommerce", split=split, tools=SCHEMAS["retail"],
+                         messages=[{"role": "system", "content": self.policy}],
+                         gold={"world": "retail", "kind": "real", "actions": r["actions"], "outputs": r["outputs"],
+                               "instruction": r["instruction"]}) for r in rows]
+        if split not in SPLITS:
+            raise EnvError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        n = (5000 if split == "train" else 300) if n is None else n
+        make = _telecom_task if split == "ood" else _retail_task
+        return [make(random.Random(f"ecommerce-{split}-{seed}-{i}"), split, f"ecommerce-{split}-{seed}-{i}")
+                for i in range(n)]
+
+    def reset(self, task):
+        state = super().reset(task)
+        g = task.gold
+        db = g.get("db") if g.get("db") is not None else self.db
+        if db is None:
+            raise EnvError(f"task {task.id} has no database: real-data tasks need EcommerceEnv(data=...)")
+        if g.get("db") is None and task.id in self._gold_hash:
+            target = self._gold_hash[task.id]
+        else:
+            target = db_hash(replay(g["world"], db, g["actions"]))
+            if g.get("db") is None:
+                self._gold_hash[task.id] = target
+        state.info.update(world=g["world"], db=_copy(db), target=target, ended="", revealed=False, confirmed=False,
+                          restated=0, writes=0, tool_calls=0, tool_errors=0, user_error=0.0)
+        if self.user_url:  # the LLM user plays the customer; roles are swapped in its own transcript
+            chat = [{"role": "system", "content": USER_SYSTEM.format(instruction=g.get("instruction", ""))},
+                    {"role": "user", "content": "Hi! How can I help you today?"}]
+            state.info["user_chat"] = chat
+            if state.messages and state.messages[-1]["role"] == "user":
+                chat.append({"role": "assistant", "content": state.messages[-1]["content"]})
+            else:
+                opening = self._llm_turn(state)
+                state.messages.append({"role": "user", "content": opening})
+                if STOP in opening:
+                    state.done = True
+                    state.info["ended"] = state.info["ended"] or "user_stop"
+        return state
+
+    def step(self, state, text):
+        text = text if isinstance(text, str) else ""
+        info = state.info
+        state.messages.append({"role": "assistant", "content": text})
+        state.turns += 1
+        calls, errors = parse_tool_calls(text)
+        obs = []
+        if calls or errors:  # a turn with tool calls goes to the tools, not to the user
+            for err in errors:
+                obs.append(tool_message("error", f"Error: {err}"))
+            for name, args in calls[:MAX_CALLS_PER_TURN]:
+                obs.append(self._call(state, name, args))
+            if len(calls) > MAX_CALLS_PER_TURN:
+                obs.append(tool_message("error", f"Error: at most {MAX_CALLS_PER_TURN} tool calls per turn"))
+            info["tool_errors"] += len(errors) + (len(calls) > MAX_CALLS_PER_TURN)
+            state.done = info["ended"] == "transfer"
+        else:
+            reply = self._llm_reply(state, text) if self.user_url else scripted_reply(info, state.task.gold["user"], text)
+            obs.append({"role": "user", "content": reply})
+            if STOP in reply:
+                state.done = True
+                info["ended"] = info["ended"] or "user_stop"
+        if state.turns >= self.max_turns:
+            state.done = True
+        state.messages.extend(obs)
+        return obs
+
+    def _call(self, state, name, args):
+        info = state.info
+        info["tool_calls"] += 1
+        if name in WRITES and not self.user_url and not info["confirmed"] and name in TOOLS[info["world"]]:
+            text, ok = "Error: ask the user to confirm (yes/no) before this change", False
+        else:
+            text, ok = run_tool(info["world"], info["db"], name, args)
+        if ok and name in WRITES:
+            info["writes"] += 1
+            info["confirmed"] = False  # one yes allows one change
+        if ok and name == "transfer_to_human_agents":
+            info["ended"] = "transfer"
+        info["tool_errors"] += not ok
+        # Model-written strings echo back in results; escape lone surrogates so any tokenizer can encode them.
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+        return tool_message(re.sub(r"[^A-Za-z0-9_]", "", name)[:64] or "error", text)
+
+    def _llm_turn(self, state):
+        """The LLM user's next message; a failed call ends the episode (user_error=1) instead of raising."""
+        chat = state.info["user_chat"]
+        url = self.user_url.rstrip("/")
+        url = url if url.endswith("/chat/completions") else url + "/chat/completions"
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.user_api_key_env or "", "")
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        body = json.dumps({"model": self.user_model, "messages": chat, "temperature": 0.0}).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers),
+                                        timeout=self.user_timeout) as r:
+                reply = json.loads(r.read())["choices"][0]["message"]["content"]
+            if not isinstance(reply, str):
+                raise TypeError("no text in the user model's reply")
+        except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException):
+            state.info["user_error"] = 1.0
+            state.info["ended"] = "user_error"
+            return STOP
+        chat.append({"role": "assistant", "content": reply})
+        return reply
+
+    def _llm_reply(self, state, text):
+        state.info["user_chat"].append({"role": "user", "content": text})
+        return self._llm_turn(state)
+
+    def score(self, state):
+        info = state.info
+        if "db" not in info:  # never reset: nothing happened
+            return 0.0, {k: 0.0 for k in ("success", "db_match", "outputs_ok", "tool_calls", "tool_errors",
+                                          "turns", "user_error")}
+        db_match = db_hash(info["db"]) == info["target"]
+        said = " ".join(re.sub(r"<tool_call>.*?(</tool_call>|$)", " ", str(m.get("content", "")), flags=re.DOTALL)
+                        for m in state.messages if m.get("role") == "assistant")
+        said = said.lower().replace(",", "")  # tau-bench ignores thousands separators
+        outputs_ok = all(o.lower() in said for o in state.task.gold["outputs"])
+        finished = info["ended"] in ("user_stop", "transfer") and not state.truncated
+        success = float(db_match and outputs_ok and finished)
+        return success, {"success": success, "db_match": float(db_match), "outputs_ok": float(outputs_ok),
+                         "tool_calls": float(info["tool_calls"]), "tool_errors": float(info["tool_errors"]),
+                         "turns": float(state.turns), "user_error": float(info["user_error"])}
+
+    def demos(self, n, seed=0, noise=0.5):
+        """Scripted retail episodes from the train distribution; a `noise` fraction makes one mistake (a
+        wrong order or argument, a skipped confirmation, or no action at all; a wrong count)."""
+        env = EcommerceEnv()  # always the scripted user, whatever this env was built with
+        out = []
+        for i in range(n):
+            rng = random.Random(f"ecommerce-demo-{seed}-{i}")
+            task = _retail_task(rng, "train", f"ecommerce-demo-{seed}-{i}")
+            mistake = None
+            if rng.random() < noise:
+                mistake = "wrong_arg" if task.gold["kind"] == "count" else \
+                    rng.choice(("wrong_arg", "wrong_order", "no_confirm", "no_action"))
+            state = play(env, task, expert_turns(task, mistake))
+            out.append({"messages": state.messages, "tools": task.tools})
+        return out

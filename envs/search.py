@@ -1,0 +1,433 @@
+"""Search: question answering with one tool, `search(query)`, over a BM25 index (Search-R1 style).
+
+The policy calls
+    <tool_call>{"name": "search", "arguments": {"query": "Tomas Velder"}}</tool_call>
+gets the top-k passages back as "[1] Title: text\\n[2] ...", and ends with <answer>Brimsk</answer> in a
+turn without tool calls. A turn with neither a tool call nor an answer ends the episode (reward 0).
+Reward: exact match after SQuAD-style normalisation against any gold answer. Metrics: em, f1 (token
+level, max over golds), searches (number of search calls) and answered.
+
+Tiny arena: a seeded synthetic world of people, cities, countries and organisations, one short passage
+per entity, all in one BM25 index. The world is cut into four disjoint sub-worlds (train, val, test,
+ood), so test answers must be retrieved, not memorised. train/val/test questions are single-hop
+("Where was Tomas Velder born?"); ood questions are two-hop ("In which country was Tomas Velder born?").
+
+Full scale: QA rows in FlashRAG's format (`id`, `question`, `golden_answers`) from `data` (a directory
+`<dataset>/<split>.jsonl` or a single file) and either a wiki-18 style corpus JSONL (`id`, `contents`
+= '"Title"\\ntext') indexed with bm25s, or the URL of a Search-R1 compatible retrieval server.
+
+    env = SearchEnv()                                         # tiny world
+    env = SearchEnv(data="data/flashrag", corpus="data/wiki18.jsonl")
+    env = SearchEnv(data="data/flashrag", retriever_url="http://127.0.0.1:8000/retrieve")
+    tasks = env.benchmark("bamboogle")
+
+Differences from the paper's setup (slime's search-r1 example):
+1. BM25 (bm25s) instead of an e5-base-v2 dense FAISS index; a dense retriever can still be used
+   through `retriever_url`.
+2. The reward is plain exact match in [0, 1], not the shaped EM in [-0.2, 1].
+"""
+import json
+import os
+import random
+import re
+import string
+import urllib.request
+from collections import Counter
+
+import bm25s
+
+from envs.base import (
+    SPLITS,
+    Env,
+    EnvError,
+    EpisodeState,
+    Task,
+    function_schema,
+    parse_tool_calls,
+    read_jsonl,
+    tool_call_text,
+    tool_message,
+)
+
+BENCHMARKS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+SINGLE_HOP = ("nq", "triviaqa", "popqa")
+MULTI_HOP = ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+# Full-scale splits as Search-R1 used them: train on nq+hotpotqa; in-domain test = their eval sets;
+# out-of-domain = the other five benchmarks. A None split means the benchmark's eval file.
+SPLIT_SOURCES = {"train": [("nq", "train"), ("hotpotqa", "train")], "val": [("nq", "dev")],
+                 "test": [("nq", None), ("hotpotqa", None)],
+                 "ood": [(b, None) for b in ("triviaqa", "popqa", "2wikimultihopqa", "musique", "bamboogle")]}
+
+SEARCH_TOOL = function_schema("search", "Search passages.", {"query": {"type": "string"}}, ["query"])
+TINY_SYSTEM = "Search QA: search, then reply <answer>X</answer>."
+FULL_SYSTEM = ("Answer the question. Call the search tool to look facts up; each call returns the top "
+               "passages. When you know the answer, reply with <answer>a short answer</answer> and no tool call.")
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+MAX_CALLS = 3        # tool calls executed per turn; the rest get an error (keeps one turn's cost bounded)
+MAX_QUERY = 300      # characters of a query passed to the retriever
+
+
+# ---------------------------------------------------------------- metrics (SQuAD / FlashRAG style)
+
+def normalize_answer(s: str) -> str:
+    """Lower-case, drop punctuation and the articles a/an/the, collapse whitespace (SQuAD)."""
+    s = "".join(ch for ch in str(s).lower() if ch not in string.punctuation)
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def _golds(golds) -> list:
+    return [golds] if isinstance(golds, str) else list(golds)
+
+
+def exact_match(prediction: str, golds) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer (a string or a list)."""
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(g) for g in _golds(golds)))
+
+
+def f1_score(prediction: str, golds) -> float:
+    """Token-level F1 of the normalised prediction, the max over gold answers."""
+    best = 0.0
+    p = normalize_answer(prediction)
+    for g in _golds(golds):
+        g = normalize_answer(g)
+        # FlashRAG: a yes/no/noanswer prediction or gold only counts when it matches exactly.
+        if (p in ("yes", "no", "noanswer") or g in ("yes", "no", "noanswer")) and p != g:
+            continue
+        common = sum((Counter(p.split()) & Counter(g.split())).values())
+        if common:
+            precision, recall = common / len(p.split()), common / len(g.split())
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+# ---------------------------------------------------------------- retrieval
+
+def format_passages(contents: list) -> str:
+    """'"Title"\\ntext' contents (wiki-18 style) -> "[1] Title: text\\n[2] ..."."""
+    lines = []
+    for i, c in enumerate(contents, 1):
+        title, _, text = str(c).partition("\n")
+        lines.append(f"[{i}] {title.strip().strip(chr(34))}: {text.strip()}" if text else f"[{i}] {title.strip()}")
+    return "\n".join(lines) if lines else "no results"
+
+
+class BM25Index:
+    """A bm25s index over wiki-18 style `contents` strings."""
+
+    def __init__(self, contents: list):
+        self.contents = list(contents)
+        self.bm25 = bm25s.BM25()
+        self.bm25.index(bm25s.tokenize(self.contents, stopwords="en", show_progress=False), show_progress=False)
+
+    def search(self, query: str, k: int) -> list:
+        tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
+        docs, scores = self.bm25.retrieve(tokens, k=min(k, len(self.contents)), show_progress=False)
+        # Documents that share no term with the query score 0: "no results" beats random passages.
+        return [self.contents[d] for d, s in zip(docs[0], scores[0]) if s > 0]
+
+
+def read_corpus(path: str) -> list:
+    """The `contents` of every row of a wiki-18 style JSONL, streamed (wiki-18 is ~21M lines)."""
+    if not os.path.isfile(path):
+        raise EnvError(f"corpus file not found: {path}")
+    contents = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise EnvError(f"malformed JSON on line {i} of corpus {path}: {e}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("contents"), str):
+                raise EnvError(f"line {i} of corpus {path} has no string 'contents' (wiki-18 format: id, contents)")
+            contents.append(row["contents"])
+    if not contents:
+        raise EnvError(f"corpus {path} is empty")
+    return contents
+
+
+def http_search(url: str, query: str, k: int, timeout: float) -> list:
+    """POST one query to a Search-R1 retrieval server; returns the passages' contents."""
+    body = json.dumps({"queries": [query], "topk": k, "return_scores": True}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        result = json.loads(response.read().decode("utf-8"))["result"][0]
+    # With return_scores each hit is {"document": {...}, "score": s}; without, the document itself.
+    docs = [hit.get("document", hit) for hit in result]
+    return [d["contents"] for d in docs][:k]
+
+
+# ---------------------------------------------------------------- real QA data (FlashRAG format)
+
+def load_qa(path: str, dataset: str) -> list:
+    """FlashRAG rows {id, question, golden_answers} -> [{id, question, answers, dataset}]."""
+    rows = []
+    for i, row in enumerate(read_jsonl(path), 1):
+        golds = row.get("golden_answers") if isinstance(row, dict) else None
+        golds = [golds] if isinstance(golds, str) else golds
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(golds, list) \
+                or not golds:
+            raise EnvError(f"row {i} of {path} needs a string 'question' and a non-empty 'golden_answers' list")
+        rows.append({"id": str(row.get("id", i)), "question": row["question"], "answers": [str(g) for g in golds],
+                     "dataset": dataset})
+    return rows
+
+
+def qa_file(root: str, name: str, split: str | None = None) -> str | None:
+    """<root>/<name>/<split>.jsonl (FlashRAG layout); split None = the eval file, test.jsonl else dev.jsonl
+    (nq/triviaqa/popqa/bamboogle have a test set, the others only dev). None when absent."""
+    for s in [split] if split else ["test", "dev"]:
+        path = os.path.join(root, name, f"{s}.jsonl")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+# ---------------------------------------------------------------- the tiny world
+
+ONSETS = ["b", "br", "d", "dr", "f", "g", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t", "tr", "v", "z"]
+VOWELS = ["a", "e", "i", "o", "u"]
+CODAS = ["", "", "n", "r", "l", "s", "k", "m", "nd", "rk"]
+# Sub-world sizes: (people, cities, organisations, countries). Eval pools give >= 300 distinct questions.
+POOLS = {"train": (12000, 1500, 1500, 150), "val": (150, 40, 40, 10), "test": (150, 40, 40, 10), "ood": (150, 40, 40, 10)}
+ORG_KINDS = ["Labs", "Corp", "Group", "Works"]
+SINGLE_HOP_QS = [  # (question, subject kind, attribute)
+    ("Where was {} born?", "person", "born"), ("Who does {} work for?", "person", "employer"),
+    ("Which country is {} in?", "city", "country"), ("When was {} founded?", "org", "founded"),
+    ("Where is {} based?", "org", "hq"), ("What is the capital of {}?", "country", "capital")]
+TWO_HOP_QS = [  # (question, subject kind, first attribute, second attribute)
+    ("In which country was {} born?", "person", "born", "country"),
+    ("Where is {}'s employer based?", "person", "employer", "hq"),
+    ("When was {}'s employer founded?", "person", "employer", "founded"),
+    ("In which country is {} based?", "org", "hq", "country")]
+
+
+def build_world(seed: int) -> dict:
+    """name -> entity dict {"name", "kind", "pool", attributes...}; every name unique in the world."""
+    rng = random.Random(f"search-world:{seed}")
+    used = set()
+
+    def word(syllables: int, suffix: str = "") -> str:
+        while True:
+            w = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables))
+            w = (w + suffix).capitalize()
+            if w not in used and len(w) >= 4:
+                used.add(w)
+                return w
+
+    first_names = [word(2) for _ in range(60)]  # shared across pools: only full names are unique
+    world = {}
+    for pool, (n_people, n_cities, n_orgs, n_countries) in POOLS.items():
+        countries = [word(2, rng.choice(["ia", "land", "or"])) for _ in range(n_countries)]
+        cities = [word(rng.choice([1, 2]), rng.choice(["sk", "holm", "ton", "ra"])) for _ in range(n_cities)]
+        for i, city in enumerate(cities):  # every country gets cities; its first one is the capital
+            world[city] = {"name": city, "kind": "city", "pool": pool, "country": countries[i % n_countries]}
+        for i, country in enumerate(countries):
+            world[country] = {"name": country, "kind": "country", "pool": pool, "capital": cities[i]}
+        orgs = [word(2) + " " + rng.choice(ORG_KINDS) for _ in range(n_orgs)]
+        for org in orgs:
+            world[org] = {"name": org, "kind": "org", "pool": pool, "founded": str(rng.randint(1850, 2019)),
+                          "hq": rng.choice(cities)}
+        for _ in range(n_people):
+            person = rng.choice(first_names) + " " + word(2)
+            world[person] = {"name": person, "kind": "person", "pool": pool, "born": rng.choice(cities),
+                             "employer": rng.choice(orgs)}
+    return world
+
+
+def passage(e: dict) -> str:
+    """One entity's wiki-18 style contents: '"Name"\\nshort text'. A country names itself again so that
+    its own passage, not its capital's, ranks first for its name."""
+    text = {"person": lambda: f"born in {e['born']}, works for {e['employer']}.",
+            "city": lambda: f"a city in {e['country']}.",
+            "org": lambda: f"founded in {e['founded']}, based in {e['hq']}.",
+            "country": lambda: f"a country; {e['name']}'s capital is {e['capital']}."}[e["kind"]]()
+    return f'"{e["name"]}"\n{text}'
+
+
+def world_questions(world: dict, pool: str) -> list:
+    """Every question about a sub-world: single-hop for train/val/test, two-hop for ood.
+    Each is (question, answer, entity names on the path, attribute names on the path)."""
+    out = []
+    for e in world.values():
+        if e["pool"] != pool:
+            continue
+        if pool != "ood":
+            out += [(q.format(e["name"]), e[a], [e["name"]], [a]) for q, kind, a in SINGLE_HOP_QS if kind == e["kind"]]
+        else:
+            out += [(q.format(e["name"]), world[e[a1]][a2], [e["name"], e[a1]], [a1, a2])
+                    for q, kind, a1, a2 in TWO_HOP_QS if kind == e["kind"]]
+    return out
+
+
+# ---------------------------------------------------------------- the environment
+
+class SearchEnv(Env):
+    """Multi-turn QA with a `search` tool. Tiny world by default; real data when `data` is given."""
+    domain = "search"
+
+    def __init__(self, topk: int = 3, max_turns: int | None = None, corpus: str | None = None,
+                 retriever_url: str | None = None, data: str | None = None, seed: int = 0,
+                 timeout: float = 30.0):
+        if topk < 1:
+            raise EnvError(f"topk must be >= 1, got {topk}")
+        if corpus and retriever_url:
+            raise EnvError("give either corpus or retriever_url, not both")
+        self.topk, self.seed, self.timeout = topk, seed, timeout
+        self.data, self.retriever_url = data, retriever_url
+        self.full = bool(data or corpus or retriever_url)
+        self.max_turns = max_turns or (5 if self.full else 4)
+        if self.full and not (corpus or retriever_url):
+            raise EnvError("real search data needs a retriever: pass corpus=<wiki-18 JSONL> or retriever_url=<URL>")
+        if data and not os.path.exists(data):
+            raise EnvError(f"search data not found: {data}")
+        self.world = None if self.full else build_world(seed)
+        if corpus:
+            self.index = BM25Index(read_corpus(corpus))
+        elif self.world:
+            self.index = BM25Index([passage(e) for e in self.world.values()])
+        else:
+            self.index = None  # the HTTP retriever
+
+    # -- tasks
+
+    def _task(self, split: str, key: str, question: str, answers: list, **gold) -> Task:
+        system = FULL_SYSTEM if self.full else TINY_SYSTEM
+        return Task(id=f"search-{split}-{key}", env="search", split=split,
+                    messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+                    tools=[SEARCH_TOOL], gold={"answers": answers, "question": question, **gold})
+
+    def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list:
+        if split not in SPLITS:
+            raise EnvError(f"unknown split {split!r} for search; expected one of {', '.join(SPLITS)}")
+        if self.full:
+            rows = self._real_split(split)
+            if n is not None and n < len(rows):
+                rows = random.Random(f"{split}:{seed}").sample(rows, n)
+            return [self._task(split, f"{r['dataset']}-{r['id']}", r["question"], r["answers"], dataset=r["dataset"],
+                               multi_hop=r["dataset"] in MULTI_HOP)
+                    for r in rows]
+        n = (5000 if split == "train" else 300) if n is None else n
+        questions = world_questions(self.world, split)
+        rng = random.Random(f"search-tasks:{split}:{seed}")
+        # Distinct questions while there are enough; the train split repeats (5000 > ~2000 questions).
+        picked = rng.sample(questions, n) if n <= len(questions) else [rng.choice(questions) for _ in range(n)]
+        return [self._task(split, f"{seed}-{i}", q, [a], path=path, attrs=attrs)
+                for i, (q, a, path, attrs) in enumerate(picked)]
+
+    def benchmark(self, name: str, source: str | None = None, n: int | None = None) -> list:
+        """A real benchmark's eval set (test.jsonl, else dev.jsonl), from `source` or the `data` directory."""
+        if name not in BENCHMARKS:
+            raise EnvError(f"unknown search benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
+        if not self.full:
+            raise EnvError("search benchmarks need real data: construct SearchEnv(data=..., corpus=... or retriever_url=...)")
+        source = source or self.data
+        if not source or not os.path.exists(source):
+            raise EnvError(f"search data not found for benchmark {name!r}: {source}")
+        path = source if os.path.isfile(source) else qa_file(source, name)
+        if path is None:
+            raise EnvError(f"no {name}/test.jsonl or {name}/dev.jsonl under {source}")
+        rows = load_qa(path, name)[:n]
+        return [self._task(name, f"{name}-{r['id']}", r["question"], r["answers"], dataset=name,
+                           multi_hop=name in MULTI_HOP) for r in rows]
+
+    def _real_split(self, split: str) -> list:
+        if not self.data:
+            raise EnvError("search tasks at full scale need data=<FlashRAG directory or JSONL file>")
+        if os.path.isfile(self.data):  # a single file is one dataset, used for whichever split is asked
+            return load_qa(self.data, os.path.splitext(os.path.basename(self.data))[0])
+        rows = []
+        for name, file_split in SPLIT_SOURCES[split]:
+            path = qa_file(self.data, name, file_split)
+            rows += load_qa(path, name) if path else []
+        if not rows:
+            wanted = ", ".join(f"{name}/{s or 'test|dev'}.jsonl" for name, s in SPLIT_SOURCES[split])
+            raise EnvError(f"no data for search split {split!r} under {self.data}: expected one of {wanted}")
+        return rows
+
+    # -- episodes
+
+    def reset(self, task: Task) -> EpisodeState:
+        state = super().reset(task)
+        state.info.update(searches=0, answer=None)
+        return state
+
+    def search(self, query: str) -> str:
+        """The tool: top-k passages as text, or an error string (never raises on a bad query)."""
+        query = query.strip()[:MAX_QUERY]
+        if not query:
+            return "error: empty query"
+        if self.index is not None:
+            return format_passages(self.index.search(query, self.topk))
+        try:
+            return format_passages(http_search(self.retriever_url, query, self.topk, self.timeout))
+        except Exception as e:  # a remote retriever's failure is an observation, never a crash
+            return f"error: retriever failed: {type(e).__name__}: {str(e)[:120]}"
+
+    def step(self, state: EpisodeState, text: str) -> list:
+        if state.done:
+            return []
+        text = text if isinstance(text, str) else ""
+        state.messages.append({"role": "assistant", "content": text})
+        state.turns += 1
+        calls, errors = parse_tool_calls(text)
+        obs = [tool_message("search", f"error: {e}") for e in errors]
+        for name, args in calls[:MAX_CALLS]:
+            if name != "search":
+                obs.append(tool_message(name, f"error: unknown tool {name!r}; the only tool is search"))
+            elif not isinstance(args.get("query"), str):
+                obs.append(tool_message(name, "error: search needs a string argument 'query'"))
+            else:
+                state.info["searches"] += 1
+                obs.append(tool_message(name, self.search(args["query"])))
+        if len(calls) > MAX_CALLS:
+            obs.append(tool_message("search", f"error: at most {MAX_CALLS} tool calls per turn"))
+        if not obs:  # no tool call: this is the final turn, with or without an answer
+            answers = ANSWER_RE.findall(text)
+            state.info["answer"] = answers[-1].strip() if answers else None
+            state.done = True
+        if state.turns >= self.max_turns:
+            state.done = True
+        state.messages += obs
+        return obs
+
+    def score(self, state: EpisodeState) -> tuple:
+        answer, golds = state.info.get("answer"), state.task.gold["answers"]
+        em = exact_match(answer, golds) if answer is not None else 0.0
+        f1 = f1_score(answer, golds) if answer is not None else 0.0
+        return em, {"em": em, "f1": f1, "searches": float(state.info.get("searches", 0)),
+                    "answered": float(answer is not None)}
+
+    # -- demonstrations for the tiny base
+
+    def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
+        """Search, read, answer conversations on train questions; a `noise` fraction is wrong: a guess
+        without searching, the wrong attribute copied, or a search for the wrong name."""
+        if self.full:
+            raise EnvError("search demos exist only for the tiny world")
+        rng = random.Random(f"search-demos:{seed}")
+        names = {}  # kind -> train names, for wrong guesses and wrong searches
+        for e in self.world.values():
+            if e["pool"] == "train":
+                names.setdefault(e["kind"], []).append(e["name"])
+        out = []
+        for task in self.tasks("train", n, seed=seed):
+            answer, subject = task.gold["answers"][0], task.gold["path"][0]
+            kind = rng.choice(["guess", "attribute", "name"]) if rng.random() < noise else "right"
+            if kind == "guess":  # answers without searching: a random name
+                turns, answer = [], rng.choice(names[rng.choice(["city", "org", "country"])])
+            else:
+                if kind == "name":  # searches someone else of the same kind, answers from that passage
+                    subject = rng.choice(names[self.world[subject]["kind"]])
+                    answer = self.world[subject][task.gold["attrs"][0]]
+                elif kind == "attribute":  # copies another value of the passage (a city has one: any country)
+                    values = [v for k, v in self.world[subject].items() if k not in ("name", "kind", "pool", task.gold["attrs"][0])]
+                    answer = rng.choice(values or names["country"])
+                turns = [{"role": "assistant", "content": tool_call_text("search", {"query": subject})},
+                         tool_message("search", self.search(subject))]
+            out.append({"messages": task.messages + turns + [{"role": "assistant", "content": f"<answer>{answer}</answer>"}],
+                        "tools": task.tools})
+        return out

@@ -1,0 +1,617 @@
+"""The e-commerce environment: golden and wrong transcripts, tool validation, the safe calculator,
+fuzzing, the tiny generator, demos, the real tau-bench v1 / tau2 loaders and the LLM user."""
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from envs import make_env
+from envs.base import EnvError, parse_tool_calls, tool_call_text
+from envs.ecommerce import (
+    SCHEMAS,
+    TOOLS,
+    EcommerceEnv,
+    db_hash,
+    expert_turns,
+    play,
+    run_tool,
+)
+
+ENV = EcommerceEnv()
+TEST = ENV.tasks("test", n=60)
+OOD = ENV.tasks("ood", n=60)
+
+
+def first(tasks, kind):
+    return next(t for t in tasks if t.gold["kind"] == kind)
+
+
+def run(env, task, texts):
+    state = play(env, task, texts)
+    return env.score(state), state
+
+
+# --- golden transcripts ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["cancel", "address", "return", "exchange", "count"])
+def test_golden_retail_episode_scores_one(kind):
+    task = first(TEST, kind)
+    (reward, m), state = run(ENV, task, expert_turns(task))
+    assert reward == 1.0 and m["db_match"] == m["outputs_ok"] == 1.0
+    assert state.done and state.messages[-1] == {"role": "user", "content": "###STOP###"}
+    assert m["tool_errors"] == 0 and m["tool_calls"] >= 2
+
+
+@pytest.mark.parametrize("kind", ["suspend", "resume", "plan", "data", "bill"])
+def test_golden_telecom_episode_scores_one(kind):
+    task = first(OOD, kind)
+    (reward, _), _ = run(ENV, task, expert_turns(task))
+    assert reward == 1.0
+
+
+def test_golden_cancel_transcript_exactly():
+    task = first(TEST, "cancel")
+    state = play(ENV, task, expert_turns(task))
+    roles = [m["role"] for m in state.messages]
+    assert roles == ["system", "user", "assistant", "user", "assistant", "tool", "assistant", "tool",
+                     "assistant", "user", "assistant", "tool", "assistant", "user"]
+    order_id = task.gold["actions"][-1]["arguments"]["order_id"]
+    assert order_id in task.messages[1]["content"]
+    assert state.info["db"]["orders"][order_id]["status"] == "cancelled"
+    assert state.messages[9]["content"] == "yes"
+
+
+@pytest.mark.parametrize("mistake", ["wrong_arg", "wrong_order", "no_confirm", "no_action"])
+@pytest.mark.parametrize("kind", ["cancel", "address", "return", "exchange"])
+def test_mistaken_retail_episodes_score_zero(kind, mistake):
+    task = first(TEST, kind)
+    (reward, m), state = run(ENV, task, expert_turns(task, mistake))
+    assert reward == 0.0 and m["db_match"] == 0.0
+    assert state.done  # the user still ends the conversation
+
+
+def test_wrong_order_cancelled_scores_zero():
+    task = next(t for t in TEST if t.gold["kind"] == "cancel"
+                and sum(o["status"] == "pending" for o in t.gold["db"]["orders"].values()) >= 2)
+    right = task.gold["actions"][-1]["arguments"]
+    other = next(o for o, v in task.gold["db"]["orders"].items() if v["status"] == "pending" and o != right["order_id"])
+    texts = expert_turns(task)
+    texts[-2] = tool_call_text("cancel_pending_order", dict(right, order_id=other))
+    (reward, m), state = run(ENV, task, texts)
+    assert state.info["db"]["orders"][other]["status"] == "cancelled"  # the change happened, to the wrong order
+    assert reward == 0.0 and m["db_match"] == 0.0 and m["tool_errors"] == 0
+
+
+def test_extra_database_change_scores_zero():
+    task = first(TEST, "cancel")
+    user_id = next(iter(task.gold["db"]["users"]))
+    extra = tool_call_text("modify_user_address", {"user_id": user_id, "address1": "1 Oak St", "address2": "",
+                                                   "city": "Ely", "state": "NV", "country": "USA", "zip": "11111"})
+    texts = expert_turns(task)
+    texts[-1:] = ["Please confirm (yes/no): new address?", extra, "Done."]
+    (reward, m), state = run(ENV, task, texts)
+    assert state.info["writes"] == 2 and m["outputs_ok"] == 1.0
+    assert reward == 0.0 and m["db_match"] == 0.0
+
+
+def test_missing_required_output_scores_zero():
+    task = first(TEST, "count")
+    texts = expert_turns(task)
+    texts[-1] = "You have some orders."
+    (reward, m), _ = run(ENV, task, texts)
+    assert m["db_match"] == 1.0 and m["outputs_ok"] == 0.0 and reward == 0.0
+    texts[-1] = expert_turns(task, "wrong_arg")[-1]  # a wrong count
+    assert run(ENV, task, texts)[0][0] == 0.0
+
+
+def test_write_without_confirmation_is_refused():
+    task = first(TEST, "cancel")
+    state = ENV.reset(task)
+    obs = ENV.step(state, tool_call_text(task.gold["actions"][-1]["name"], task.gold["actions"][-1]["arguments"]))
+    assert obs[0]["content"].startswith("Error: ask the user to confirm")
+    assert db_hash(state.info["db"]) == db_hash(task.gold["db"])
+
+
+def test_truncated_or_unfinished_episode_scores_zero():
+    task = first(TEST, "cancel")
+    texts = expert_turns(task)
+    state = play(ENV, task, texts[:-1])  # acted, but never told the user: the user has not stopped
+    reward, m = ENV.score(state)
+    assert m["db_match"] == 1.0 and not state.done and reward == 0.0
+    state = play(ENV, task, texts)
+    state.truncated = True
+    assert ENV.score(state)[0] == 0.0
+
+
+def test_transfer_ends_the_episode():
+    task = first(TEST, "return")
+    state = ENV.reset(task)
+    obs = ENV.step(state, tool_call_text("transfer_to_human_agents", {"summary": "user wants a human"}))
+    assert obs[0]["content"] == "Transfer successful" and state.done
+    assert ENV.score(state)[0] == 0.0  # the return was never made
+
+
+def test_max_turns_ends_the_episode():
+    env = EcommerceEnv(max_turns=3)
+    task = first(TEST, "cancel")
+    state = env.reset(task)
+    for _ in range(3):
+        env.step(state, "<tool_call>{\"name\": \"think\", \"arguments\": {\"thought\": \"hm\"}}</tool_call>")
+    assert state.done and state.turns == 3 and env.score(state)[0] == 0.0
+
+
+# --- tools -------------------------------------------------------------------------------------------
+
+def test_at_least_fifteen_retail_tools_with_schemas():
+    names = {s["function"]["name"] for s in SCHEMAS["retail"]}
+    assert len(names) >= 15 and {"find_user_id_by_email", "exchange_delivered_order_items", "calculate",
+                                 "transfer_to_human_agents", "think", "list_all_product_types"} <= names
+    assert not names & {s["function"]["name"] for s in SCHEMAS["telecom"]} - {"calculate", "think",
+                                                                            "transfer_to_human_agents"}
+
+
+@pytest.mark.parametrize("expr,want", [("2 + 3*4", "14.0"), ("(1.5 + 2.5) / 3", "1.33"), ("-(2-5)", "3.0")])
+def test_calculate_does_arithmetic(expr, want):
+    assert run_tool("retail", {}, "calculate", {"expression": expr}) == (want, True)
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "2**10", "9**9**9", "1/0", "os.system('ls')", "(" * 300 + "1",
+                                  "", "1 +", "[1]", "2 // 3"])
+def test_calculate_refuses_anything_else(expr):
+    text, ok = run_tool("retail", {}, "calculate", {"expression": expr})
+    assert not ok and text.startswith("Error:")
+
+
+def test_tools_validate_arguments():
+    task = first(TEST, "return")
+    db = task.gold["db"]
+    order_id = task.gold["actions"][-1]["arguments"]["order_id"]
+    for args, problem in [({"order_id": 5}, "must be a string"), ({}, "missing argument"),
+                          ({"order_id": order_id, "x": 1}, "unexpected argument"), ({"order_id": "#W0"}, "not found")]:
+        text, ok = run_tool("retail", db, "get_order_details", args)
+        assert not ok and problem in text
+    text, ok = run_tool("retail", db, "return_delivered_order_items",
+                        {"order_id": order_id, "item_ids": "123", "payment_method_id": "x"})
+    assert not ok and "array of strings" in text
+    text, ok = run_tool("retail", db, "cancel_pending_order", {"order_id": order_id, "reason": "no longer needed"})
+    assert not ok and "non-pending" in text  # the order is delivered
+    assert run_tool("telecom", {}, "get_order_details", {"order_id": order_id})[0].startswith("Error: unknown tool")
+    assert "must be a integer" in run_tool("telecom", {"lines": {}}, "add_data", {"line_id": "L1", "gb": "2"})[0]
+
+
+def test_cancel_refunds_a_gift_card_at_once():
+    def paid_by(t):
+        order = t.gold["db"]["orders"][t.gold["actions"][-1]["arguments"]["order_id"]]
+        return order["payment_history"][0]["payment_method_id"]
+    task = next(t for t in ENV.tasks("test", n=300) if t.gold["kind"] == "cancel" and "gift" in paid_by(t))
+    order_id = task.gold["actions"][-1]["arguments"]["order_id"]
+    state = play(ENV, task, expert_turns(task))
+    order, method = state.info["db"]["orders"][order_id], paid_by(task)
+    before = task.gold["db"]["users"][order["user_id"]]["payment_methods"][method]["balance"]
+    after = state.info["db"]["users"][order["user_id"]]["payment_methods"][method]["balance"]
+    assert after == before + order["payment_history"][0]["amount"]
+    assert order["payment_history"][-1] == {"transaction_type": "refund", "amount": order["payment_history"][0]["amount"],
+                                            "payment_method_id": method}
+
+
+# --- fuzzing: nothing the model writes raises, rewards stay in [0, 1] --------------------------------
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                           max_leaves=8)
+tool_names = st.sampled_from(sorted(TOOLS["retail"]) + sorted(TOOLS["telecom"]) + ["rm_rf", ""])
+arg_names = st.sampled_from(["order_id", "user_id", "item_ids", "new_item_ids", "payment_method_id", "reason", "email",
+                             "zip", "expression", "line_id", "gb", "plan_id", "phone", "address1", "junk"])
+calls = st.builds(lambda n, a: tool_call_text(n, a), tool_names, st.dictionaries(arg_names, json_values, max_size=5))
+broken = st.sampled_from(["<tool_call>{\"name\": \"get_order_details\", \"arguments\": {", "<tool_call>[1, 2]</tool_call>",
+                          "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>", "</tool_call>",
+                          "<tool_call>{\"name\": \"calculate\", \"arguments\": \"1+1\"}</tool_call>",
+                          "<tool_call>{\"name\": \"think\", \"arguments\": [1]}</tool_call>"])
+turns = st.lists(st.one_of(st.text(max_size=60), calls, broken, st.sampled_from(
+    ["Please confirm (yes/no)?", "What is your email?", "yes", "Done.", "\ud800 caf\u00e9 \u2603"])), max_size=12)
+
+
+def _check_episode(task, texts):
+    state = ENV.reset(task)
+    for text in texts:
+        for m in ENV.step(state, text):
+            m["content"].encode("utf-8")  # every observation can be tokenized
+        if state.done:
+            break
+    reward, metrics = ENV.score(state)
+    assert 0.0 <= reward <= 1.0 and all(isinstance(v, float) for v in metrics.values())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 59), turns)
+def test_fuzz_retail_never_raises(i, texts):
+    _check_episode(TEST[i], texts)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 59), turns)
+def test_fuzz_telecom_never_raises(i, texts):
+    _check_episode(OOD[i], texts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=300))
+def test_fuzz_calculate_never_raises(expr):
+    text, ok = run_tool("retail", {}, "calculate", {"expression": expr})
+    assert ok or text.startswith("Error:")
+
+
+def test_endless_and_odd_text_never_raises():
+    task = TEST[0]
+    _check_episode(task, ["x" * 200_000, "<tool_call>" * 50, tool_call_text("think", {"thought": "t"}) * 20, None, "",
+                          tool_call_text("\ud800", {}), tool_call_text("find_user_id_by_email", {"email": "\ud800"})])
+
+
+# --- the tiny generator -------------------------------------------------------------------------------
+
+def test_generator_is_deterministic():
+    a, b = ENV.tasks("test", n=20, seed=3), ENV.tasks("test", n=20, seed=3)
+    assert [(t.id, t.messages, t.gold) for t in a] == [(t.id, t.messages, t.gold) for t in b]
+    c = ENV.tasks("test", n=20, seed=4)
+    assert [t.gold["db"] for t in a] != [t.gold["db"] for t in c]
+
+
+def test_splits_are_disjoint():
+    users = {s: {u for t in ENV.tasks(s, n=300) for u in t.gold["db"]["users"]} for s in ("train", "val", "test")}
+    assert not users["train"] & users["test"] and not users["train"] & users["val"] and not users["val"] & users["test"]
+    openings = {s: {t.messages[1]["content"] + t.gold["user"]["identity"] for t in ENV.tasks(s, n=300)}
+                for s in ("train", "test")}
+    assert not openings["train"] & openings["test"]
+
+
+def test_default_sizes_and_ood_is_another_domain():
+    assert len(ENV.tasks("test")) == 300 and len(ENV.tasks("ood")) == 300 and len(ENV.tasks("val", n=7)) == 7
+    assert {t.gold["world"] for t in OOD} == {"telecom"} and {t.gold["world"] for t in TEST} == {"retail"}
+    assert OOD[0].messages[0]["content"] != TEST[0].messages[0]["content"]
+    assert {t.gold["kind"] for t in TEST} == {"cancel", "address", "return", "exchange", "count"}
+
+
+def test_unknown_split_is_a_clear_error():
+    with pytest.raises(EnvError, match="unknown split 'dev'"):
+        ENV.tasks("dev")
+    with pytest.raises(EnvError, match="unknown domain"):
+        make_env("shop")
+    assert isinstance(make_env("ecommerce"), EcommerceEnv)
+
+
+# --- demos ---------------------------------------------------------------------------------------------
+
+def test_demos_are_complete_and_noise_controls_their_score():
+    clean, noisy = ENV.demos(40, seed=1, noise=0.0), ENV.demos(40, seed=1, noise=1.0)
+    for demo in clean:
+        roles = [m["role"] for m in demo["messages"]]
+        assert roles[0] == "system" and "assistant" in roles and "tool" in roles
+        assert demo["messages"][-1]["content"] == "###STOP###" and demo["tools"] == SCHEMAS["retail"]
+        for m in demo["messages"]:
+            if m["role"] == "assistant":
+                assert not parse_tool_calls(m["content"])[1]
+    # The demo seed stream is the train distribution: re-create each task and score the transcript.
+    import random
+
+    from envs.ecommerce import _retail_task
+    for demos, want in ((clean, 1.0), (noisy, 0.0)):
+        for i, demo in enumerate(demos):
+            task = _retail_task(random.Random(f"ecommerce-demo-1-{i}"), "train", "x")
+            texts = [m["content"] for m in demo["messages"] if m["role"] == "assistant"]
+            assert run(EcommerceEnv(), task, texts)[0][0] == want
+    half = ENV.demos(200, seed=2, noise=0.5)
+    n_user_ids = {json.dumps(d["messages"][3]["content"]) for d in half}
+    assert len(n_user_ids) > 150  # varied, not one memorisable conversation
+    assert ENV.demos(5, seed=2) == ENV.demos(5, seed=2)
+
+
+# --- real data: tau-bench v1 and tau2 formats, LLM user ------------------------------------------------
+
+USERS = {"yusuf_rossi_9620": {"name": {"first_name": "Yusuf", "last_name": "Rossi"},
+                              "address": {"address1": "763 Broadway", "address2": "Suite 135", "city": "Philadelphia",
+                                          "country": "USA", "state": "PA", "zip": "19122"},
+                              "email": "yusuf.rossi7301@example.com",
+                              "payment_methods": {"credit_card_9513926": {"source": "credit_card", "brand": "mastercard",
+                                                                          "last_four": "2478",
+                                                                          "id": "credit_card_9513926"},
+                                                  "gift_card_1111111": {"source": "gift_card", "balance": 50.0,
+                                                                        "id": "gift_card_1111111"}},
+                              "orders": ["#W2378156", "#W4776164"]}}
+PRODUCTS = {"1656367028": {"name": "Mechanical Keyboard", "product_id": "1656367028", "variants": {
+    "1151293680": {"item_id": "1151293680", "options": {"switch type": "linear", "backlight": "RGB", "size": "full size"},
+                   "available": True, "price": 272.33},
+    "7706410293": {"item_id": "7706410293", "options": {"switch type": "clicky", "backlight": "none", "size": "full size"},
+                   "available": True, "price": 269.16}}}}
+ORDERS = {"#W2378156": {"order_id": "#W2378156", "user_id": "yusuf_rossi_9620",
+                        "address": USERS["yusuf_rossi_9620"]["address"],
+                        "items": [{"name": "Mechanical Keyboard", "product_id": "1656367028", "item_id": "1151293680",
+                                   "price": 272.33, "options": {"switch type": "linear", "backlight": "RGB",
+                                                                "size": "full size"}}],
+                        "fulfillments": [{"tracking_id": ["843053632392"], "item_ids": ["1151293680"]}],
+                        "status": "delivered", "payment_history": [{"transaction_type": "payment", "amount": 272.33,
+                                                                    "payment_method_id": "credit_card_9513926"}]},
+          "#W4776164": {"order_id": "#W4776164", "user_id": "yusuf_rossi_9620",
+                        "address": USERS["yusuf_rossi_9620"]["address"],
+                        "items": [{"name": "Mechanical Keyboard", "product_id": "1656367028", "item_id": "7706410293",
+                                   "price": 269.16, "options": {"switch type": "clicky", "backlight": "none",
+                                                                "size": "full size"}}],
+                        "fulfillments": [], "status": "pending",
+                        "payment_history": [{"transaction_type": "payment", "amount": 269.16,
+                                             "payment_method_id": "credit_card_9513926"}]}}
+EXCHANGE = {"order_id": "#W2378156", "item_ids": ["1151293680"], "new_item_ids": ["7706410293"],
+            "payment_method_id": "credit_card_9513926"}
+V1_TASKS = '''from tau_bench.types import Task, Action
+
+TASKS_TEST = [
+    Task(
+        annotator="0",
+        user_id="yusuf_rossi_9620",
+        instruction="You are Yusuf Rossi in 19122. You received your order #W2378156 and wish to exchange the "
+        "mechanical keyboard for a clicky one.",
+        actions=[
+            Action(name="find_user_id_by_name_zip", kwargs={"first_name": "Yusuf", "last_name": "Rossi", "zip": "19122"}),
+            Action(name="get_order_details", kwargs={"order_id": "#W2378156"}),
+            Action(name="exchange_delivered_order_items", kwargs=%s),
+        ],
+        outputs=[],
+    ),
+    Task(
+        annotator="0",
+        user_id="yusuf_rossi_9620",
+        instruction="You are Yusuf Rossi in 19122. You want to know how many orders you have, then cancel #W4776164.",
+        actions=[
+            Action(name="get_user_details", kwargs={"user_id": "yusuf_rossi_9620"}),
+            Action(name="cancel_pending_order", kwargs={"order_id": "#W4776164", "reason": "no longer needed"}),
+        ],
+        outputs=["2"],
+    ),
+]
+''' % json.dumps(EXCHANGE)
+TAU2_TASKS = [
+    {"id": "0", "description": {"purpose": None}, "initial_state": None,
+     "user_scenario": {"persona": None, "instructions": {
+         "domain": "retail", "reason_for_call": "You want to exchange your keyboard for a clicky one.",
+         "known_info": "You are Yusuf Rossi in zip code 19122.", "unknown_info": None,
+         "task_instructions": "You are polite."}},
+     "evaluation_criteria": {"actions": [
+         {"action_id": "0_0", "name": "find_user_id_by_name_zip", "arguments":
+          {"first_name": "Yusuf", "last_name": "Rossi", "zip": "19122"}, "info": None},
+         {"action_id": "0_1", "name": "exchange_delivered_order_items", "arguments": EXCHANGE, "info": None}],
+         "communicate_info": ["269.16"], "nl_assertions": None, "reward_basis": ["DB", "COMMUNICATE"]}},
+    {"id": "1", "user_scenario": {"instructions": "You are Yusuf Rossi. Cancel #W4776164, you no longer need it."},
+     "evaluation_criteria": {"actions": [{"action_id": "1_0", "name": "cancel_pending_order",
+                                          "arguments": {"order_id": "#W4776164", "reason": "no longer needed"}}],
+                             "communicate_info": [], "reward_basis": ["DB"]}},
+]
+
+
+def write_v1(root):
+    root.mkdir(exist_ok=True)
+    for name, table in (("users", USERS), ("orders", ORDERS), ("products", PRODUCTS)):
+        (root / f"{name}.json").write_text(json.dumps(table, indent=2))
+    (root / "tasks_test.py").write_text(V1_TASKS)
+    (root / "wiki.md").write_text("# Retail agent policy\nAs a retail agent, you can help users cancel orders.")
+    return str(root)
+
+
+def write_tau2(root):
+    root.mkdir(exist_ok=True)
+    (root / "db.json").write_text(json.dumps({"users": {k: dict(v, user_id=k) for k, v in USERS.items()},
+                                              "orders": ORDERS, "products": PRODUCTS}))
+    (root / "tasks.json").write_text(json.dumps(TAU2_TASKS, indent=4))
+    (root / "split_tasks.json").write_text(json.dumps({"train": ["1"], "test": ["0"], "base": ["0", "1"]}))
+    (root / "policy.md").write_text("# Retail agent policy (tau2)")
+    return str(root)
+
+
+class FakeUser:
+    """An OpenAI-compatible chat completions server on 127.0.0.1 that replies from a script."""
+
+    def __init__(self, replies, status=200):
+        self.replies, self.requests = list(replies), []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+                reply = owner.replies.pop(0) if owner.replies else "###STOP###"
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_user():
+    servers = []
+
+    def make(replies, status=200):
+        servers.append(FakeUser(replies, status))
+        return servers[-1]
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _agent_turns(task, say):
+    return [tool_call_text(a["name"], a["arguments"]) for a in task.gold["actions"]] + [say]
+
+
+def test_tau_bench_v1_directory_loads_and_replays(tmp_path, fake_user, monkeypatch):
+    user = fake_user(["Hi, I want to exchange my keyboard. I am Yusuf Rossi, 19122.", "Great, thanks.", "###STOP###"])
+    monkeypatch.setenv("FAKE_KEY", "sk-test")
+    env = EcommerceEnv(data=write_v1(tmp_path / "v1"), user_url=user.url, user_model="sim", user_api_key_env="FAKE_KEY")
+    tasks = env.tasks("test")
+    assert len(tasks) == 2 and tasks[0].messages == [{"role": "system", "content": env.policy}]
+    assert "As a retail agent" in env.policy and tasks[1].gold["outputs"] == ["2"]
+    state = env.reset(tasks[0])
+    assert state.messages[-1] == {"role": "user", "content": "Hi, I want to exchange my keyboard. I am Yusuf Rossi, 19122."}
+    for text in _agent_turns(tasks[0], "Your exchange is requested.") + ["Anything else?"]:
+        env.step(state, text)
+    assert state.done and state.info["db"]["orders"]["#W2378156"]["status"] == "exchange requested"
+    assert env.score(state)[0] == 1.0
+    req = user.requests[-1]
+    assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test" and req["body"]["model"] == "sim"
+    chat = req["body"]["messages"]  # the simulated user sees the agent as "user" and itself as "assistant"
+    assert chat[0]["role"] == "system" and "exchange the mechanical keyboard" in chat[0]["content"]
+    assert [m["role"] for m in chat[1:]] == ["user", "assistant", "user", "assistant", "user"]
+    assert chat[-1]["content"] == "Anything else?"
+
+    # Same task, a wrong new item: the database differs from the gold replay.
+    state = env.reset(tasks[0])
+    wrong = dict(EXCHANGE, new_item_ids=["1151293680"])
+    for text in [tool_call_text("exchange_delivered_order_items", wrong),
+                 tool_call_text("exchange_delivered_order_items", dict(EXCHANGE, payment_method_id="gift_card_1111111")),
+                 "Done."]:
+        env.step(state, text)
+    assert state.done and env.score(state)[1]["db_match"] == 0.0
+
+
+def test_tau_bench_v1_required_output(tmp_path, fake_user):
+    user = fake_user(["How many orders do I have? And cancel #W4776164."] + ["ok"] * 5)
+    env = EcommerceEnv(data=write_v1(tmp_path / "v1"), user_url=user.url)
+    task = env.tasks("test")[1]
+    for say, want in (("You have 2 orders; #W4776164 is cancelled.", 1.0), ("Your order is cancelled.", 0.0)):
+        user.replies[:] = ["hello", "###STOP###"]
+        state = env.reset(task)
+        for text in _agent_turns(task, say):
+            env.step(state, text)
+        assert state.done and env.score(state)[0] == want
+
+
+def test_tau2_directory_loads_splits_and_communicate_info(tmp_path, fake_user):
+    user = fake_user([])
+    env = EcommerceEnv(data=write_tau2(tmp_path / "t2"), user_url=user.url)
+    assert env.policy == "# Retail agent policy (tau2)"
+    test, train = env.tasks("test"), env.tasks("train")
+    assert [t.id for t in test] == ["ecommerce-test-0"] and [t.id for t in train] == ["ecommerce-train-1"]
+    assert "clicky" in test[0].gold["instruction"] and "zip code 19122" in test[0].gold["instruction"]
+    assert len(env.tasks("base", n=1)) == 1
+    task = test[0]
+    for say, want in (("Done: the price difference is 269.16 minus 272.33.", 1.0), ("Done.", 0.0)):
+        user.replies[:] = ["I want to exchange my keyboard.", "###STOP###"]
+        state = env.reset(task)
+        for text in _agent_turns(task, say):
+            env.step(state, text)
+        assert env.score(state)[0] == want
+
+
+def test_llm_user_failures_end_the_episode_without_raising(tmp_path, fake_user):
+    bad = fake_user(["x"], status=500)
+    env = EcommerceEnv(data=write_tau2(tmp_path / "t2"), user_url=bad.url, user_timeout=5)
+    state = env.reset(env.tasks("train")[0])
+    assert state.done and state.info["user_error"] == 1.0
+    reward, m = env.score(state)
+    assert reward == 0.0 and m["user_error"] == 1.0
+    closed = FakeUser([])
+    closed.close()  # nothing listens on this port any more
+    env = EcommerceEnv(data=write_tau2(tmp_path / "t2"), user_url=closed.url, user_timeout=2)
+    assert env.reset(env.tasks("train")[0]).done
+    # The tiny arena can use an LLM user too; a failure mid-episode is a stop, not a crash.
+    tiny = EcommerceEnv(user_url=closed.url, user_timeout=2)
+    state = tiny.reset(TEST[0])
+    assert not state.done and tiny.step(state, "What is your email?")[0]["content"] == "###STOP###" and state.done
+
+
+def test_full_scale_tools_on_the_tau_bench_store():
+    db = json.loads(json.dumps({"users": USERS, "orders": ORDERS, "products": PRODUCTS}))
+    address = {"address1": "1 Main St", "address2": "", "city": "Ely", "state": "NV", "country": "USA", "zip": "89301"}
+    text, ok = run_tool("retail", db, "modify_pending_order_address", {"order_id": "#W2378156", **address})
+    assert not ok and "non-pending" in text
+    text, ok = run_tool("retail", db, "modify_pending_order_payment",
+                        {"order_id": "#W4776164", "payment_method_id": "gift_card_1111111"})
+    assert not ok and "insufficient gift card balance" in text  # 50 < 269.16
+    swap = {"order_id": "#W4776164", "item_ids": ["7706410293"], "new_item_ids": ["1151293680"],
+            "payment_method_id": "credit_card_9513926"}
+    assert run_tool("retail", db, "modify_pending_order_items", dict(swap, new_item_ids=["7706410293"]))[1] is False
+    text, ok = run_tool("retail", db, "modify_pending_order_items", swap)
+    order = json.loads(text)
+    assert ok and order["status"] == "pending (item modified)" and order["items"][0]["price"] == 272.33
+    assert order["payment_history"][-1] == {"transaction_type": "payment", "amount": 3.17,
+                                            "payment_method_id": "credit_card_9513926"}
+    assert run_tool("retail", db, "modify_pending_order_items", swap)[0].startswith("Error: non-pending")
+    assert run_tool("retail", db, "modify_pending_order_address", {"order_id": "#W4776164", **address})[1]
+    text, ok = run_tool("retail", db, "modify_user_address", {"user_id": "yusuf_rossi_9620", **address})
+    assert ok and db["users"]["yusuf_rossi_9620"]["address"] == address
+    assert json.loads(run_tool("retail", db, "get_item_details", {"item_id": "7706410293"})[0])["price"] == 269.16
+    assert json.loads(run_tool("retail", db, "list_all_product_types", {})[0]) == {"Mechanical Keyboard": "1656367028"}
+    text, ok = run_tool("retail", db, "return_delivered_order_items",
+                        {"order_id": "#W2378156", "item_ids": ["1151293680", "1151293680"],
+                         "payment_method_id": "credit_card_9513926"})
+    assert not ok and "not found" in text  # only one such item was bought
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    url = "http://127.0.0.1:9/v1"
+    with pytest.raises(EnvError, match="data directory not found"):
+        EcommerceEnv(data=str(tmp_path / "nope"), user_url=url)
+    with pytest.raises(EnvError, match="needs an LLM user"):
+        EcommerceEnv(data=write_v1(tmp_path / "v1"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EnvError, match="no retail database"):
+        EcommerceEnv(data=str(tmp_path / "empty"), user_url=url)
+    root = tmp_path / "broken"
+    write_tau2(root)
+    (root / "db.json").write_text("{not json")
+    with pytest.raises(EnvError, match="malformed JSON"):
+        EcommerceEnv(data=str(root), user_url=url)
+    root = tmp_path / "t2"
+    env = EcommerceEnv(data=write_tau2(root), user_url=url)
+    with pytest.raises(EnvError, match="unknown split 'ood'"):
+        env.tasks("ood")
+    (root / "tasks.json").write_text("[{\"id\": \"0\", \"evaluation_criteria\": {\"actions\": [{\"name\": \"rm\"}]}}]")
+    (root / "split_tasks.json").write_text(json.dumps({"test": ["0"]}))
+    with pytest.raises(EnvError, match="unknown gold action 'rm'"):
+        env.tasks("test")
+    (root / "tasks.json").write_text("[1, 2")
+    with pytest.raises(EnvError, match="malformed JSON"):
+        env.tasks("test")
+    v1 = tmp_path / "v1"
+    env = EcommerceEnv(data=str(v1), user_url=url)
+    with pytest.raises(EnvError, match="no tasks for split 'train'"):
+        env.tasks("train")
+
+
+def test_v1_task_files_are_read_as_data_never_run(tmp_path):
+    root = tmp_path / "v1"
+    write_v1(root)
+    marker = tmp_path / "ran"
+    (root / "tasks_test.py").write_text(f"import os\nTASKS = [os.system('touch {marker}')]\n")
+    env = EcommerceEnv(data=str(root), user_url="http://127.0.0.1:9/v1")
+    with pytest.raises(EnvError, match="unsupported task"):
+        env.tasks("test")
+    assert not marker.exists()
+    (root / "tasks_test.py").write_text("TASKS = [\n")
+    with pytest.raises(EnvError, match="cannot parse"):
+        env.tasks("test")
+    # The older v1 layout: a plain list of dicts, in a .py or a .json file.
+    (root / "tasks_test.py").unlink()
+    (root / "tasks_dev.json").write_text(json.dumps([{"user_id": "yusuf_rossi_9620", "instruction": "hi",
+                                                      "actions": [{"name": "get_order_details",
+                                                                   "kwargs": {"order_id": "#W2378156"}}],
+                                                      "outputs": []}]))
+    (task,) = env.tasks("dev")
+    assert task.gold["actions"] == [{"name": "get_order_details", "arguments": {"order_id": "#W2378156"}}]
+
+
+def test_no_eval_or_exec_in_the_environment():
+    src = open(os.path.join(os.path.dirname(__file__), "..", "envs", "ecommerce.py")).read()
+    assert "eval(" not in src and "exec(" not in src and "import_module" not in src
