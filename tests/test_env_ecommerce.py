@@ -2,10 +2,9 @@
 fuzzing, the tiny generator, demos, the real tau-bench v1 / tau2 loaders and the LLM user."""
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_http import JSONServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -408,35 +407,18 @@ def write_tau2(root):
     return str(root)
 
 
-class FakeUser:
+class FakeUser(JSONServer):
     """An OpenAI-compatible chat completions server on 127.0.0.1 that replies from a script."""
 
     def __init__(self, replies, status=200):
         self.replies, self.requests = list(replies), []
-        owner = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                owner.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-                reply = owner.replies.pop(0) if owner.replies else "###STOP###"
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        def respond(path, headers, body):
+            self.requests.append({"path": path, "auth": headers.get("Authorization"), "body": body})
+            reply = self.replies.pop(0) if self.replies else "###STOP###"
+            return status, {"choices": [{"message": {"role": "assistant", "content": reply}}]}
+        super().__init__(respond)
+        self.url += "/v1"
 
 
 @pytest.fixture

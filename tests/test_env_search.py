@@ -1,10 +1,9 @@
 """The search environment: golden episodes, fuzzing, the tiny world, real loaders and retrievers."""
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_http import JSONServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -257,42 +256,28 @@ def test_wiki18_corpus_and_flashrag_data(flashrag):
     assert single.search("Babbage").count("\n") == 0
 
 
-class FakeRetriever(BaseHTTPRequestHandler):
+RETRIEVER_REQUESTS = []
+
+
+def fake_retriever(path, headers, body):
     """A Search-R1 retrieval server: POST {"queries", "topk", "return_scores"} -> {"result": [[...]]}."""
-    requests = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        FakeRetriever.requests.append(body)
-        if body["queries"][0] == "boom":
-            self.send_error(500)
-            return
-        hits = [{"document": WIKI[i], "score": 1.0 / (i + 1)} for i in range(body["topk"])]
-        data = json.dumps({"result": [hits]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+    RETRIEVER_REQUESTS.append(body)
+    if body["queries"][0] == "boom":
+        return 500, None
+    return 200, {"result": [[{"document": WIKI[i], "score": 1.0 / (i + 1)} for i in range(body["topk"])]]}
 
 
 @pytest.fixture
 def retriever():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeRetriever)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/retrieve"
-    server.shutdown()
-    server.server_close()
+    with JSONServer(fake_retriever) as server:
+        yield server.url + "/retrieve"
 
 
 def test_http_retriever(flashrag, retriever):
     env = SearchEnv(data=str(flashrag / "qa"), retriever_url=retriever, topk=2, timeout=5)
     task = env.tasks("train", n=1, seed=0)[0]
     _, metrics, _, obs = run(env, task, [search("ada lovelace")])
-    assert FakeRetriever.requests[-1] == {"queries": ["ada lovelace"], "topk": 2, "return_scores": True}
+    assert RETRIEVER_REQUESTS[-1] == {"queries": ["ada lovelace"], "topk": 2, "return_scores": True}
     assert obs[0][0]["content"] == ("[1] Ada Lovelace: Ada Lovelace was an English mathematician born in London.\n"
                                     "[2] London: London is the capital city of England and the United Kingdom.")
     assert metrics["searches"] == 1.0
