@@ -9,7 +9,17 @@ from hypothesis import strategies as st
 
 from envs import make_env
 from envs.base import EnvError, tool_call_text
-from envs.search import BENCHMARKS, SearchEnv, exact_match, f1_score, normalize_answer, world_questions
+from envs.search import (
+    BENCHMARKS,
+    BM25Index,
+    SearchEnv,
+    build_world,
+    exact_match,
+    f1_score,
+    normalize_answer,
+    passage,
+    world_questions,
+)
 
 ENV = SearchEnv()  # the tiny world; built once (about 0.3 s)
 
@@ -185,19 +195,26 @@ def test_every_subject_passage_ranks_first():
 
 
 def test_demos_replay_through_the_env():
+    envs = {}  # demos come from worlds with the train names and other facts: replay each in its own world
+
     def replay(demo):
-        task = ENV.tasks("train", 1)[0]
+        if demo["world"] not in envs:
+            env = envs[demo["world"]] = SearchEnv()
+            env.world = build_world(env.seed, facts=demo["world"])
+            env.index = BM25Index([passage(e) for e in env.world.values()])
+        env = envs[demo["world"]]
+        task = env.tasks("train", 1)[0]
         task.messages, task.tools = demo["messages"][:2], demo["tools"]
-        # The demo's answer is graded against the gold of its question.
+        # The demo's answer is graded against the gold of its question in its world.
         question = demo["messages"][1]["content"]
-        task.gold = next({"answers": [a]} for q, a, _, _ in world_questions(ENV.world, "train") if q == question)
-        state = ENV.reset(task)
+        task.gold = next({"answers": [a]} for q, a, _, _ in world_questions(env.world, "train") if q == question)
+        state = env.reset(task)
         for i, m in enumerate(demo["messages"][2:], 2):
             if m["role"] == "assistant":
-                obs = ENV.step(state, m["content"])
+                obs = env.step(state, m["content"])
                 assert obs == [x for x in demo["messages"][i + 1:i + 1 + len(obs)]]  # the real BM25 output
         assert state.done and state.messages == demo["messages"]
-        return ENV.score(state)[0]
+        return env.score(state)[0]
 
     clean = ENV.demos(40, seed=1, noise=0.0)
     assert [m["role"] for m in clean[0]["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
@@ -207,6 +224,9 @@ def test_demos_replay_through_the_env():
     assert 0.35 < noisy < 0.65
     train = {t.gold["question"] for t in ENV.tasks("train", 2000)} | {q for q, *_ in world_questions(ENV.world, "train")}
     assert all(d["messages"][1]["content"] in train for d in ENV.demos(50))
+    # facts differ between demo worlds (no fact can be memorised), names do not
+    a, b = (build_world(ENV.seed, facts=k) for k in ("1:0", "1:100"))
+    assert a.keys() == b.keys() and sum(a[k] != b[k] for k in a) > len(a) // 2
 
 
 # ---------------------------------------------------------------- real data: loaders and retrievers
