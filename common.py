@@ -1,7 +1,8 @@
-"""Plumbing shared by every script, and nothing else: seeding, rank-0 printing, and checkpoints that
-are written atomically with their acl_meta.json.
+"""Plumbing shared by every script, and nothing else: torchrun init/teardown, FSDP2 wrapping, gathering
+a full state dict on rank 0, checkpoints written atomically with their acl_meta.json, seeding, print0.
 
-(torchrun init/teardown and FSDP2 wrapping join this file with the training scripts.)
+Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs; without it, it is a
+single process and every collective below is a no-op.
 """
 import json
 import os
@@ -24,6 +25,67 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_dist():
+    """-> torch.device for this rank. Starts the process group under torchrun (NCCL on GPU, gloo on CPU)."""
+    import torch.distributed as dist
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size() > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def teardown():
+    """Barrier, then destroy the process group (gloo aborts at exit without the barrier)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def shard(model, bf16: bool = False, cpu_offload: bool = False):
+    """FSDP2: fully_shard every decoder layer, then the root. With bf16, parameters are cast to bf16 for
+    compute and gradients reduced in fp32 (MixedPrecisionPolicy); cpu_offload keeps shards on the CPU.
+    A no-op in a single process, so the same training loop runs unsharded on a laptop."""
+    if world_size() == 1:
+        return model
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw = {}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def full_state_dict(model) -> dict:
+    """The whole model's state dict on rank 0 (on the CPU), {} on other ranks; plain state_dict() when
+    unsharded. Every rank must call it: the gather is a collective."""
+    if world_size() == 1:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def all_reduce_mean(x: float) -> float:
+    """Mean of a Python float over ranks (for logging: loss, reward)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 def print0(*args, **kwargs):
     if rank() == 0:
         print(*args, **kwargs, flush=True)
@@ -43,17 +105,18 @@ def code_revision() -> str:
         return "unknown"
 
 
-def save_checkpoint(out_dir: str, model, tokenizer, meta: dict):
+def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict | None = None):
     """Write a Hugging Face checkpoint (safetensors + config + tokenizer) plus acl_meta.json into a
     temporary sibling directory, then rename it into place: a half-written checkpoint never exists
-    under its final name. An existing checkpoint at out_dir is replaced only after the new one is whole."""
+    under its final name. An existing checkpoint at out_dir is replaced only after the new one is whole.
+    For a sharded model pass state_dict=full_state_dict(model) and call this on rank 0 only."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-{os.getpid()}-{int(time.time() * 1000)}")
     os.makedirs(tmp)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         meta = dict(meta, code_revision=code_revision(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
