@@ -106,10 +106,11 @@ class ChatML:
         self.stop_ids = [self.eos] + [i for i in [tok.convert_tokens_to_ids("</tool_call>")] if i != tok.unk_token_id and i is not None]
         self._dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "MARK"},
                        {"role": "user", "content": "z"}]
-        text = self._render(self._dummy)
-        i = text.index("MARK") + 4
-        self.close_text = text[i: text.index("<|im_start|>", i)]   # e.g. "<|im_end|>\n"
+        self._before = self._render(self._dummy)
+        i = self._before.index("MARK") + 4
+        self.close_text = self._before[i: self._before.index("<|im_start|>", i)]   # e.g. "<|im_end|>\n"
         self.eos_text = tok.convert_ids_to_tokens(self.eos)
+        self.header = self.encode(self._render(self._dummy, gen=True)[len(self._before):])  # "<|im_start|>assistant\n"
 
     def _render(self, messages, tools=None, gen=False):
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
@@ -128,7 +129,10 @@ class ChatML:
         return self.encode(text) if text else []
 
     def observation(self, messages):
-        before = self._render(self._dummy)
+        """Tokens of the observation messages plus the next assistant header (just the header if none)."""
+        if not messages:
+            return list(self.header)
+        before = self._before
         after = self._render(self._dummy + list(messages), gen=True)
         if not after.startswith(before):  # a template that rewrites history: fall back to the messages alone
             after, before = self._render(list(messages), gen=True), ""
@@ -179,7 +183,7 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
             ep.logprobs += [0.0] * len(tail)
             if state.done:
                 continue
-            obs_ids = chat.observation(obs) if obs else chat.encode("<|im_start|>assistant\n")
+            obs_ids = chat.observation(obs)
             limit = max_turns if max_turns is not None else env.max_turns
             if state.turns >= limit or len(ep.token_ids) + len(obs_ids) >= max_tokens:
                 state.done = state.truncated = True
