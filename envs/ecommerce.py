@@ -143,14 +143,21 @@ def modify_pending_order_address(db, order_id, address1, address2, city, state, 
     return order
 
 
+def _new_items_charge(db, order, item_ids, new_item_ids, payment_method_id, what):
+    """(price difference, payment method) for swapping items, checked like tau-bench: a gift card must
+    cover the difference."""
+    diff = _price_change(db, order, item_ids, new_item_ids)
+    method = _payment(db, order["user_id"], payment_method_id)
+    if method["source"] == "gift_card" and method["balance"] < diff:
+        raise ToolError(f"insufficient gift card balance to pay for {what}")
+    return diff, method
+
+
 def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
     order = _get(db["orders"], order_id, "order")
     if order["status"] != "pending":
         raise ToolError("non-pending order cannot be modified")
-    diff = _price_change(db, order, item_ids, new_item_ids)
-    method = _payment(db, order["user_id"], payment_method_id)
-    if method["source"] == "gift_card" and method["balance"] < diff:
-        raise ToolError("insufficient gift card balance to pay for the new items")
+    diff, method = _new_items_charge(db, order, item_ids, new_item_ids, payment_method_id, "the new items")
     order["payment_history"].append({"transaction_type": "payment" if diff > 0 else "refund", "amount": abs(diff),
                                      "payment_method_id": payment_method_id})
     if method["source"] == "gift_card":
@@ -212,10 +219,7 @@ def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment
     order = _get(db["orders"], order_id, "order")
     if order["status"] != "delivered":
         raise ToolError("non-delivered order cannot be exchanged")
-    diff = _price_change(db, order, item_ids, new_item_ids)
-    method = _payment(db, order["user_id"], payment_method_id)
-    if method["source"] == "gift_card" and method["balance"] < diff:
-        raise ToolError("insufficient gift card balance to pay for the price difference")
+    diff, _ = _new_items_charge(db, order, item_ids, new_item_ids, payment_method_id, "the price difference")
     order["status"] = "exchange requested"
     order["exchange_items"] = sorted(item_ids)
     order["exchange_new_items"] = sorted(new_item_ids)

@@ -92,8 +92,9 @@ def model_config(tokenizer, size: str = "tiny", max_len: int = 1024):
 
 
 def build_corpus(n_demos: int, noise: float, seed: int, domains=None):
-    """Pre-training documents as (group, example): every domain's demos (chat, loss on assistant tokens)
-    and generic text (the worlds' user/tool text without the chat template, loss on every token)."""
+    """Pre-training documents as (group, example): every domain's demos (chat conversations; see
+    encode_corpus for where the loss goes) and generic text (the worlds' user/tool text without the chat
+    template, loss on every token)."""
     from envs import DOMAINS, make_env
     chats, generic = [], []
     for i, d in enumerate(domains or DOMAINS):
