@@ -1,0 +1,477 @@
+"""Evaluate checkpoints on every benchmark of a suite: sampled score, mean ± std over sampling seeds.
+
+Each benchmark is a set of (env, task) pairs from envs/; a seed is one full pass that samples k rollouts per task
+(temperature 1, top_k 0: the policy's own distribution, as DESIGN.md asks) and scores their mean reward; the
+result is the mean and the sample standard deviation of that score over seeds. Results go to
+runs/<preset>/eval/<name>.json (<name>: the checkpoint's path under runs/<preset>/ with / -> -, so
+runs/tiny/seq/1-math -> seq-1-math), a markdown table across checkpoints is printed, and when the checkpoints
+include sequential stages (runs/<preset>/seq/<i>-<domain>) the accuracy matrix stage x domain is printed and
+plotted with forgetting, BWT and FWT (eval/seq_matrix.png, eval/seq_matrix.json).
+
+    python evaluate.py --ckpt runs/tiny/base --suite tiny                                # ~1.5 min on 2 cores
+    python evaluate.py --ckpt runs/tiny/base runs/tiny/seq/* --suite tiny --seeds 3      # + the accuracy matrix
+    python evaluate.py --ckpt runs/tiny/seq/4-if --suite tiny --matrix                   # matrix with saved rows
+    python evaluate.py --ckpt runs/qwen3-8b/seq/4-if --suite full \\
+        --source aime26=MathArena/aime_2026 --search-data data/flashrag --search-corpus data/wiki18.jsonl \\
+        --tau-data data/tau2/retail --source tau_ood=data/tau_ood --user-url http://localhost:8000/v1
+
+Suites. tiny: each domain's `test` (in-domain) and `ood` split of the tiny worlds, 300 tasks, k=1. full: AIME26
+(avg@16), GPQA-Diamond, MMLU-Redux, NQ, TriviaQA, PopQA, HotpotQA, 2Wiki, MuSiQue, Bamboogle, tau-retail, tau-OOD,
+IFEval, IFBench; every data source is a flag (HF ids by default where the env has one, local paths otherwise).
+
+Single process; evaluation needs no torchrun. Training scripts call evaluate_model() on the in-memory model.
+
+Differences from the paper / notes:
+1. tau-OOD is the `test` split of a second tau-bench/tau2-format directory (--source tau_ood=DIR). The paper uses
+   tau3's telecom and mock domains, whose tools envs/ecommerce.py does not implement at full scale yet.
+2. IFBench ids without a checker in envs/instruct.py are dropped (counted in the log), so IFBench is scored on
+   the implemented subset.
+3. The hf backend generates on the CPU; full scale needs a GPU backend (vLLM, not built yet) passed as backend=.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+from common import code_revision, print0
+from envs import DOMAINS, EnvError, make_env, parse_domains
+from envs.base import SPLITS
+from envs.rollout import HFBackend, rollout
+
+SUITES = ("tiny", "full")
+# Per-suite defaults: tasks per benchmark (None = all), token limits per episode and per assistant turn.
+# Full scale uses Qwen3's native 32k context; the tiny model is built for 1-2k tokens.
+SUITE_DEFAULTS = {"tiny": {"n": 300, "max_tokens": 1024, "max_turn_tokens": 256},
+                  "full": {"n": None, "max_tokens": 32768, "max_turn_tokens": 16384}}
+# Full-suite benchmark -> domain, in the paper's table order.
+FULL_BENCHMARKS = {"aime26": "math", "gpqa_diamond": "math", "mmlu_redux": "math",
+                   "nq": "search", "triviaqa": "search", "popqa": "search", "hotpotqa": "search",
+                   "2wikimultihopqa": "search", "musique": "search", "bamboogle": "search",
+                   "tau_retail": "ecommerce", "tau_ood": "ecommerce", "ifeval": "if", "ifbench": "if"}
+DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark samples once per task
+# The in-domain benchmark of each domain: the accuracy matrix's columns (tiny: `<domain>/test`).
+FULL_IN_DOMAIN = {"math": "aime26", "search": "nq", "ecommerce": "tau_retail", "if": "ifeval"}
+STAGE_RE = re.compile(r"^seq-(\d+)-(.+)$")  # eval name of a sequential stage: seq-<i>-<domain>
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, env_opts=None, sources=None,
+                    benchmarks=None) -> dict:
+    """{benchmark: (env, tasks)} of a suite; raises EnvError on a bad name, split or data source.
+
+    tiny: `<domain>/<split>` for every domain and split, n tasks each (default 300) from the tiny worlds (task
+    seed 0, so every checkpoint and every seed sees the same tasks).
+    full: the benchmarks of `domains` (or the names in `benchmarks`), n tasks each (default all); `sources` maps a
+    benchmark to an HF id or local path, `env_opts` maps a domain to its Env's constructor arguments (search:
+    data/corpus/retriever_url; ecommerce: data/user_url/user_model). `splits` is not used by the full suite."""
+    env_opts, sources = env_opts or {}, sources or {}
+    if suite not in SUITES:
+        raise EnvError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
+    for d in domains:
+        if d not in DOMAINS:
+            raise EnvError(f"unknown domain {d!r}; expected one of {', '.join(DOMAINS)}")
+    n = SUITE_DEFAULTS[suite]["n"] if n is None else n
+    out = {}
+    if suite == "tiny":
+        for d in domains:
+            env = make_env(d, **env_opts.get(d, {}))
+            for split in splits:
+                out[f"{d}/{split}"] = (env, env.tasks(split, n=n, seed=0))
+    else:
+        names = list(benchmarks) if benchmarks else [b for b, d in FULL_BENCHMARKS.items() if d in domains]
+        unknown = [b for b in list(names) + list(sources) if b not in FULL_BENCHMARKS]
+        if unknown:
+            raise EnvError(f"unknown full-suite benchmark {unknown[0]!r}; expected one of {', '.join(FULL_BENCHMARKS)}")
+        envs = {}  # one env per domain: the search env may hold a BM25 index over all of wiki-18
+        for b in names:
+            d = FULL_BENCHMARKS[b]
+            opts = env_opts.get(d, {})
+            if d == "ecommerce":  # a tau-bench directory per benchmark; its `test` split is the benchmark
+                data = sources.get(b) or (opts.get("data") if b == "tau_retail" else None)
+                if not data:
+                    flag = "--tau-data DIR or --source tau_retail=DIR" if b == "tau_retail" else f"--source {b}=DIR"
+                    raise EnvError(f"{b} needs a tau-bench/tau2 data directory: pass {flag}")
+                env = make_env(d, **dict(opts, data=data))
+                tasks = env.tasks("test", n=n)
+            elif d == "if":  # IFBench has ids without a checker here: drop those rows (counted) rather than fail
+                env = make_env(d, **dict(opts, skip_unknown=b == "ifbench"))
+                tasks = env.benchmark(b, source=sources.get(b), n=n)
+            else:
+                if d not in envs:
+                    envs[d] = make_env(d, **opts)
+                env = envs[d]
+                tasks = env.benchmark(b, source=sources.get(b), n=n)
+            out[b] = (env, tasks)
+    for name, (_, tasks) in out.items():
+        if not tasks:
+            raise EnvError(f"benchmark {name} has no tasks")
+    return out
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, seeds=1, k=None,
+                   temperature=1.0, batch=64, max_tokens=None, max_turn_tokens=None, env_opts=None, backend=None,
+                   sources=None, benchmarks=None, tasks=None, label="") -> dict:
+    """Score an in-memory model on a suite: {benchmark: {mean, std, n, k, seeds, per_seed, metrics, wall_s}}.
+
+    seeds: a count (sampling seeds 0..seeds-1) or a list of seeds; each seed is one pass over every benchmark,
+        whose score is the mean reward over n tasks x k samples. mean/std are over seeds (std: sample standard
+        deviation, 0 for one seed); metrics are the env's named metrics (f1, searches, ...) averaged the same way.
+    k: samples per task (default 16 for aime26, else 1). n, max_tokens, max_turn_tokens: None = the suite's default.
+    tasks: {benchmark: (env, tasks)} from load_benchmarks(), to reuse across calls; otherwise it is built from
+        suite, domains, splits, n, env_opts, sources and benchmarks (see load_benchmarks).
+    backend: any rollout backend (default: HFBackend(model, tok, batch)); model may then be None. The sampled
+        stream depends on the batch size too (batches are sampled together), so compare runs at the same batch.
+    The model is put in eval mode and its training mode restored; the global torch RNG is restored too, so
+    evaluating in the middle of training does not change the training's random stream."""
+    defaults = SUITE_DEFAULTS[suite] if suite in SUITES else {}
+    tasks = tasks if tasks is not None else load_benchmarks(suite, domains, splits, n, env_opts, sources, benchmarks)
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    if not seed_list:
+        raise EnvError("seeds must be a positive count or a non-empty list")
+    max_tokens = max_tokens or defaults.get("max_tokens", 1024)
+    max_turn_tokens = max_turn_tokens or defaults.get("max_turn_tokens", 256)
+    backend = backend or HFBackend(model, tok, batch)
+    was_training = model.training if model is not None else False
+    if model is not None:
+        model.eval()
+    results = {}
+    try:
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+            for name, (env, items) in tasks.items():
+                kk = k or DEFAULT_K.get(name, 1)
+                per_seed, per_seed_metrics, t0 = [], [], time.time()
+                for s in seed_list:
+                    t1 = time.time()
+                    eps = rollout(backend, tok, [(env, t) for t in items], kk, temperature, max_tokens=max_tokens,
+                                  max_turn_tokens=max_turn_tokens, seed=s)
+                    dt = time.time() - t1
+                    per_seed.append(sum(e.reward for e in eps) / len(eps))
+                    keys = sorted({m for e in eps for m in e.metrics})
+                    per_seed_metrics.append({m: sum(e.metrics.get(m, 0.0) for e in eps) / len(eps) for m in keys})
+                    print0(f"{label}{name} seed {s}: {per_seed[-1]:.3f} ({len(items)} tasks x {kk}, {dt:.1f}s, "
+                           f"{sum(e.n_sampled for e in eps) / max(dt, 1e-9):.0f} sampled tok/s)")
+                keys = sorted({m for ms in per_seed_metrics for m in ms})
+                results[name] = {
+                    "mean": statistics.mean(per_seed), "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
+                    "n": len(items), "k": kk, "seeds": len(seed_list), "per_seed": per_seed,
+                    "metrics": {m: statistics.mean(ms.get(m, 0.0) for ms in per_seed_metrics) for m in keys},
+                    "wall_s": round(time.time() - t0, 1)}
+    finally:
+        if model is not None:
+            model.train(was_training)
+    return results
+
+
+def evaluate_ckpt(path, suite="tiny", **kwargs) -> dict:
+    """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
+    Returns the record that main() saves: {ckpt, suite, settings, wall_s, code_revision, benchmarks}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise EnvError(f"not a checkpoint directory (no config.json): {path}")
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    kwargs.setdefault("label", f"[{path}] ")
+    benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
+    settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label")}
+    return {"ckpt": path, "suite": suite, "settings": settings, "wall_s": round(time.time() - t0, 1),
+            "code_revision": code_revision(), "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "benchmarks": benchmarks}
+
+
+def save_results(path, results):
+    """Write results (a record or a {benchmark: ...} dict) as JSON atomically: a reader never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def load_results(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _benchmarks(results) -> dict:
+    """{benchmark: {...}} of either a saved record or evaluate_model's output."""
+    return results["benchmarks"] if isinstance(results.get("benchmarks"), dict) else results
+
+
+# ----------------------------------------------------------------------------- tables and the accuracy matrix
+
+def markdown_table(named_results) -> str:
+    """Rows: checkpoints ({name: results}), columns: every benchmark seen, cells `mean ± std`."""
+    columns = []
+    for r in named_results.values():
+        columns += [b for b in _benchmarks(r) if b not in columns]
+    lines = ["| checkpoint | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, r in named_results.items():
+        b = _benchmarks(r)
+        cells = [f"{b[c]['mean']:.3f} ± {b[c]['std']:.3f}" if c in b else "–" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def domain_score(results, domain):
+    """A domain's in-domain score in results: `<domain>/test` (tiny) or its FULL_IN_DOMAIN benchmark; None if absent."""
+    b = _benchmarks(results or {})
+    for key in (f"{domain}/test", FULL_IN_DOMAIN.get(domain)):
+        if key in b:
+            return b[key]["mean"]
+    return None
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def accuracy_matrix(stage_results, base_results, domains) -> dict:
+    """The accuracy matrix of a sequential run and its continual-learning measures (GEM, Lopez-Paz & Ranzato 2017).
+
+    stage_results: [(row name, learned domain, results), ...] in curriculum order, e.g. ("seq-1-math", "math", r);
+    base_results: the base's results (None if unknown); domains: the columns. Rows r = 0 (base), 1..T (stages);
+    a[r, j] is domain j's in-domain score after row r (domain_score; None where missing); t_j is the row that
+    learned domain j. Missing values are left out of every mean. For each learned domain j in the columns:
+        forgetting_j = max_{t_j <= r <= T} a[r, j] - a[T, j]          (0 for the domain learned last)
+        BWT          = mean over j with t_j < T      of  a[T, j] - a[t_j, j]
+        FWT          = mean over j with t_j > 1      of  a[t_j - 1, j] - a[0, j]
+    forgetting_mean is the mean of forgetting_j over j with t_j < T. BWT < 0 means later stages forgot; FWT > 0
+    means earlier stages helped a domain before it was trained (measured against the base, not a random model).
+    Returns {rows, domains, learned, matrix, forgetting, forgetting_mean, bwt, fwt}."""
+    learned = [d for _, d, _ in stage_results]
+    if len(set(learned)) != len(learned):
+        raise ValueError(f"a domain is learned twice in {learned}: forgetting and transfer are undefined")
+    rows = ["base"] + [name for name, _, _ in stage_results]
+    a = [[domain_score(r, d) for d in domains] for r in [base_results] + [r for _, _, r in stage_results]]
+    T = len(rows) - 1
+    t = {d: i + 1 for i, d in enumerate(learned) if d in domains}
+    forgetting, bwt, fwt = {}, [], []
+    for d, tj in t.items():
+        j = domains.index(d)
+        after = [a[r][j] for r in range(tj, T + 1) if a[r][j] is not None]
+        forgetting[d] = max(after) - a[T][j] if after and a[T][j] is not None else None
+        if tj < T and a[T][j] is not None and a[tj][j] is not None:
+            bwt.append(a[T][j] - a[tj][j])
+        if tj > 1 and a[tj - 1][j] is not None and a[0][j] is not None:
+            fwt.append(a[tj - 1][j] - a[0][j])
+    return {"rows": rows, "domains": list(domains), "learned": {d: rows[tj] for d, tj in t.items()}, "matrix": a,
+            "forgetting": forgetting, "forgetting_mean": _mean(forgetting[d] for d, tj in t.items() if tj < T),
+            "bwt": _mean(bwt), "fwt": _mean(fwt)}
+
+
+def _fmt(x):
+    return "–" if x is None else f"{x:.3f}"
+
+
+def matrix_table(m) -> str:
+    """The accuracy matrix as markdown, with the forgetting row and a BWT/FWT line."""
+    lines = ["| after \\ on | " + " | ".join(m["domains"]) + " |", "|---" * (len(m["domains"]) + 1) + "|"]
+    lines += [f"| {row} | " + " | ".join(_fmt(x) for x in vals) + " |" for row, vals in zip(m["rows"], m["matrix"])]
+    lines.append("| forgetting | " + " | ".join(_fmt(m["forgetting"].get(d)) for d in m["domains"]) + " |")
+    lines.append(f"\nBWT {_fmt(m['bwt'])} | FWT {_fmt(m['fwt'])} | mean forgetting {_fmt(m['forgetting_mean'])}")
+    return "\n".join(lines)
+
+
+def plot_matrix(m, path, title="accuracy after each stage"):
+    """A heatmap PNG of accuracy_matrix()'s matrix (rows: base then stages, columns: domains), values written in."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+    import numpy as np
+    data = np.array([[np.nan if x is None else x for x in row] for row in m["matrix"]], dtype=float)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(m["domains"]), 1.2 + 0.5 * len(m["rows"])))
+    # tiny-arena scores sit far below 1: scale the colours to the largest score so differences show
+    top = max([x for row in m["matrix"] for x in row if x is not None] + [0.05])
+    im = ax.imshow(data, cmap="viridis", vmin=0.0, vmax=top, aspect="auto")
+    ax.set_xticks(range(len(m["domains"])), m["domains"])
+    ax.set_yticks(range(len(m["rows"])), m["rows"])
+    ax.set_xlabel("evaluated on (in-domain test)")
+    ax.set_ylabel("after stage")
+    for r, row in enumerate(m["matrix"]):
+        for j, x in enumerate(row):
+            ax.text(j, r, _fmt(x), ha="center", va="center", color="k" if x is None or x >= 0.6 * top else "w", fontsize=9)
+    ax.set_title(f"{title}\nBWT {_fmt(m['bwt'])}  FWT {_fmt(m['fwt'])}", fontsize=10)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+
+def run_name(ckpt) -> tuple:
+    """(eval directory, name) of a checkpoint: runs/tiny/seq/1-math -> (runs/tiny/eval, seq-1-math);
+    (None, basename) when the path is not under runs/<preset>/."""
+    parts = os.path.abspath(ckpt).split(os.sep)
+    for i in range(len(parts) - 3, -1, -1):  # the last `runs` with a preset and a checkpoint below it
+        if parts[i] == "runs":
+            return os.sep.join(parts[: i + 2] + ["eval"]), "-".join(parts[i + 2:])
+    return None, parts[-1]
+
+
+def _stages(names, label) -> list:
+    """[(i, name, domain)] of the sequential stages among eval names, sorted by stage number; errors on a typo."""
+    stages = []
+    for name in names:
+        m = STAGE_RE.match(name)
+        if m:
+            if m.group(2) not in DOMAINS:
+                raise EnvError(f"unknown domain {m.group(2)!r} in stage {name} ({label}); expected one of "
+                               f"{', '.join(DOMAINS)}")
+            stages.append((int(m.group(1)), name, m.group(2)))
+    stages.sort()
+    numbers, domains = [s[0] for s in stages], [s[2] for s in stages]
+    if len(set(numbers)) != len(numbers) or len(set(domains)) != len(domains):
+        raise EnvError(f"sequential stages repeat a number or a domain: {', '.join(s[1] for s in stages)}")
+    return stages
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", nargs="+", required=True, help="checkpoint directories (Hugging Face format)")
+    p.add_argument("--suite", default="tiny", help="tiny (the tiny worlds' test/ood splits) or full (real benchmarks)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="sampling seeds (full passes); mean/std are over seeds. 1 = std 0; use 3 for claims")
+    p.add_argument("--k", type=int, default=None, help="samples per task for every benchmark (default: aime26 16, else 1)")
+    p.add_argument("--n", type=int, default=None, help="tasks per benchmark (default: 300 tiny, all full)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--batch", type=int, default=64, help="generation batch size (hf backend)")
+    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
+    p.add_argument("--splits", default="test,ood", help="tiny suite: comma-separated splits per domain")
+    p.add_argument("--benchmarks", default=None, help="full suite: comma-separated benchmarks (default: all of --domains)")
+    p.add_argument("--max-tokens", type=int, default=None, help="token limit per episode (default: 1024 tiny, 32768 full)")
+    p.add_argument("--max-turn-tokens", type=int, default=None,
+                   help="token limit per assistant turn (default: 256 tiny, 16384 full)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--out-dir", default=None, help="where eval JSONs go (default: runs/<preset>/eval of each checkpoint)")
+    p.add_argument("--matrix", action="store_true",
+                   help="print and plot the accuracy matrix (automatic when the checkpoints include seq/<i>-<domain>)")
+    p.add_argument("--source", action="append", default=[], metavar="NAME=PATH_OR_ID",
+                   help="full suite: data of one benchmark, an HF id or a local file/dir (repeatable)")
+    p.add_argument("--search-data", default=None, help="full suite: FlashRAG directory <dataset>/<split>.jsonl")
+    p.add_argument("--search-corpus", default=None, help="full suite: wiki-18 style corpus JSONL for BM25")
+    p.add_argument("--retriever-url", default=None, help="full suite: a Search-R1 retrieval server instead of BM25")
+    p.add_argument("--tau-data", default=None, help="full suite: tau-bench v1 or tau2/tau3 retail data directory")
+    p.add_argument("--user-url", default=None, help="full suite: OpenAI-compatible endpoint of the simulated user")
+    p.add_argument("--user-model", default="gpt-4o", help="full suite: the simulated user's model name")
+    return p.parse_args(argv)
+
+
+def resolve(a) -> dict:
+    """Check every argument and load the benchmarks; EnvError (one line) on bad input, before anything is written."""
+    if a.suite not in SUITES:
+        raise EnvError(f"unknown suite {a.suite!r}; expected one of {', '.join(SUITES)}")
+    for flag in ("seeds", "k", "n", "batch", "max_tokens", "max_turn_tokens"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            raise EnvError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.temperature < 0 or a.threads < 0:
+        raise EnvError("--temperature and --threads must be >= 0")
+    domains = parse_domains(a.domains)
+    splits = [s.strip() for s in a.splits.split(",") if s.strip()]
+    for s in splits or [""]:
+        if s not in SPLITS:
+            raise EnvError(f"unknown split {s!r} in --splits; expected a subset of {','.join(SPLITS)}")
+    sources = {}
+    for item in a.source:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise EnvError(f"--source expects NAME=PATH_OR_ID, got {item!r}")
+        sources[name.strip()] = value.strip()
+    if sources and a.suite != "full":
+        raise EnvError("--source is for the full suite")
+    ckpts, seen = [], {}
+    for path in a.ckpt:
+        if not os.path.isdir(path):
+            raise EnvError(f"checkpoint directory not found: {path}")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise EnvError(f"not a checkpoint directory (no config.json): {path}")
+        eval_dir, name = run_name(path)
+        eval_dir = a.out_dir or eval_dir
+        if eval_dir is None:
+            raise EnvError(f"cannot tell the preset of {path} (not under runs/<preset>/): pass --out-dir")
+        out = os.path.join(eval_dir, f"{name}.json")
+        if out in seen:
+            raise EnvError(f"{path} and {seen[out]} would both be saved as {out}")
+        seen[out] = path
+        ckpts.append((path, name, eval_dir, out))
+    # The matrix: stages evaluated now, plus the base and stages saved earlier in the same eval directory.
+    names = [name for _, name, _, _ in ckpts]
+    matrix_dir = next((d for _, name, d, _ in ckpts if STAGE_RE.match(name)), ckpts[0][2])
+    saved = {os.path.basename(f)[:-5]: f for f in glob.glob(os.path.join(matrix_dir, "*.json"))}
+    stages = _stages(names, "--ckpt")
+    if a.matrix or stages:
+        stages = _stages(set(names) | {s for s in saved if STAGE_RE.match(s)}, f"--ckpt and {matrix_dir}")
+        if not stages:
+            raise EnvError(f"--matrix needs sequential stages (runs/<preset>/seq/<i>-<domain>) in --ckpt or {matrix_dir}")
+    env_opts = {}
+    if a.suite == "full":
+        env_opts["search"] = {k: v for k, v in (("data", a.search_data), ("corpus", a.search_corpus),
+                                                 ("retriever_url", a.retriever_url)) if v}
+        env_opts["ecommerce"] = {k: v for k, v in (("data", a.tau_data), ("user_url", a.user_url),
+                                                    ("user_model", a.user_model)) if v}
+    benchmarks = [b.strip() for b in a.benchmarks.split(",") if b.strip()] if a.benchmarks else None
+    if benchmarks and a.suite != "full":
+        raise EnvError("--benchmarks is for the full suite; use --domains and --splits with the tiny suite")
+    tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks)
+    return {"domains": domains, "splits": splits, "sources": sources, "env_opts": env_opts, "tasks": tasks,
+            "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved}
+
+
+def main():
+    a = parse_args()
+    try:
+        r = resolve(a)
+    except EnvError as e:
+        sys.exit(f"error: {e}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    defaults = SUITE_DEFAULTS[a.suite]
+    settings = dict(domains=r["domains"], splits=r["splits"] if a.suite == "tiny" else None,
+                    benchmarks=list(r["tasks"]), n=a.n or defaults["n"], seeds=a.seeds, k=a.k, temperature=a.temperature,
+                    batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
+                    max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
+                    env_opts=r["env_opts"], threads=torch.get_num_threads())
+    print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
+    named = {}
+    for path, name, _, out in r["ckpts"]:
+        record = evaluate_ckpt(path, a.suite, seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
+                               max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
+                               tasks=r["tasks"], label=f"[{name}] ")
+        record["settings"] = settings
+        save_results(out, record)
+        print0(f"saved {out} ({record['wall_s']:.0f}s)")
+        named[name] = record
+    print0("\n" + markdown_table(named))
+    if r["stages"]:
+        def row(name):  # this run's results, else the ones saved earlier (same suite only)
+            if name in named:
+                return named[name]
+            saved = load_results(r["saved"][name]) if name in r["saved"] else None
+            return saved if saved and saved.get("suite") == a.suite else None
+        m = accuracy_matrix([(name, d, row(name)) for _, name, d in r["stages"]], row("base"), r["domains"])
+        earlier = [n for n in ["base"] + [s[1] for s in r["stages"]] if n not in named and row(n) is not None]
+        if earlier:
+            print0(f"\naccuracy matrix rows from saved results: {', '.join(earlier)}")
+        print0("\n" + matrix_table(m))
+        save_results(os.path.join(r["matrix_dir"], "seq_matrix.json"), m)
+        print0(f"saved {plot_matrix(m, os.path.join(r['matrix_dir'], 'seq_matrix.png'))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""evaluate.py: the accuracy matrix by hand, evaluate_model on the micro model and scripted backends, the CLI end to
+end on a fake runs/ layout, bad input, and the full suite on local fixtures in the real formats (no network)."""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+from fake_http import JSONServer
+from test_env_ecommerce import write_tau2
+
+import evaluate
+from common import save_checkpoint
+from envs import EnvError
+from envs.rollout import Generation
+
+torch.set_num_threads(1)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(mean):
+    return {"mean": mean, "std": 0.0, "n": 10, "k": 1, "seeds": 1}
+
+
+def tiny_results(**scores):
+    return {f"{d}/test": bench(v) for d, v in scores.items()}
+
+
+# ----------------------------------------------------------------------------- the accuracy matrix
+
+def test_accuracy_matrix_forgetting_bwt_fwt_by_hand():
+    base = tiny_results(math=0.1, search=0.0, ecommerce=0.3, **{"if": 0.2})
+    stages = [("seq-1-math", "math", tiny_results(math=0.5, search=0.1, ecommerce=0.3, **{"if": 0.2})),
+              ("seq-2-search", "search", tiny_results(math=0.6, search=0.6, ecommerce=0.2, **{"if": 0.25})),
+              ("seq-3-if", "if", {"record": 1, "benchmarks": tiny_results(math=0.2, search=0.4, ecommerce=0.1,
+                                                                            **{"if": 0.9})})]
+    m = evaluate.accuracy_matrix(stages, base, ["math", "search", "ecommerce", "if"])
+    assert m["rows"] == ["base", "seq-1-math", "seq-2-search", "seq-3-if"]
+    assert m["matrix"][2] == [0.6, 0.6, 0.2, 0.25] and m["matrix"][3][3] == 0.9
+    assert m["learned"] == {"math": "seq-1-math", "search": "seq-2-search", "if": "seq-3-if"}
+    # forgetting = best score at/after learning minus final: math max(.5,.6,.2)-.2, search max(.6,.4)-.4, if 0
+    f = m["forgetting"]
+    assert set(f) == {"math", "search", "if"}  # ecommerce was never learned
+    assert f["math"] == pytest.approx(0.4) and f["search"] == pytest.approx(0.2) and f["if"] == pytest.approx(0.0)
+    assert m["forgetting_mean"] == pytest.approx((0.4 + 0.2) / 2)
+    # BWT: final minus just-learned, over math and search: ((.2-.5) + (.4-.6)) / 2
+    assert m["bwt"] == pytest.approx(-0.25)
+    # FWT: stage before learning minus base, over search and if: ((.1-0) + (.25-.2)) / 2
+    assert m["fwt"] == pytest.approx(0.075)
+    table = evaluate.matrix_table(m)
+    assert "| seq-2-search | 0.600 | 0.600 | 0.200 | 0.250 |" in table and "BWT -0.250" in table
+
+
+def test_accuracy_matrix_missing_values_and_repeats():
+    stages = [("seq-1-math", "math", tiny_results(math=0.5)), ("seq-2-if", "if", tiny_results(math=0.3))]
+    m = evaluate.accuracy_matrix(stages, None, ["math", "if"])
+    assert m["matrix"][0] == [None, None] and m["fwt"] is None and m["bwt"] == pytest.approx(-0.2)
+    assert m["forgetting"] == {"math": pytest.approx(0.2), "if": None}
+    with pytest.raises(ValueError, match="learned twice"):
+        evaluate.accuracy_matrix(stages + [("seq-3-math", "math", {})], None, ["math"])
+
+
+def test_plot_and_tables(tmp_path):
+    m = evaluate.accuracy_matrix([("seq-1-math", "math", tiny_results(math=0.5, search=0.1))],
+                                 tiny_results(math=0.1), ["math", "search"])
+    path = evaluate.plot_matrix(m, str(tmp_path / "eval" / "m.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path / "eval") == ["m.png"]
+    table = evaluate.markdown_table({"base": tiny_results(math=0.1), "seq-1-math": {
+        "benchmarks": {"math/test": {"mean": 0.5, "std": 0.05}, "if/test": bench(0.2)}}})
+    assert table.splitlines() == ["| checkpoint | math/test | if/test |", "|---|---|---|",
+                                  "| base | 0.100 ± 0.000 | – |", "| seq-1-math | 0.500 ± 0.050 | 0.200 ± 0.000 |"]
+
+
+def test_run_name():
+    assert evaluate.run_name("runs/tiny/seq/1-math") == (os.path.join(ROOT, "runs", "tiny", "eval"), "seq-1-math")
+    assert evaluate.run_name("/x/runs/tiny/oracle/math/")[1] == "oracle-math"
+    assert evaluate.run_name("/x/runs/a/runs/tiny/base") == ("/x/runs/a/runs/tiny/eval", "base")
+    assert evaluate.run_name("/x/ckpts/base") == (None, "base")
+
+
+def test_save_results_is_atomic(tmp_path):
+    path = str(tmp_path / "eval" / "base.json")
+    evaluate.save_results(path, {"math/test": bench(0.5)})
+    assert evaluate.load_results(path) == {"math/test": bench(0.5)} and os.listdir(tmp_path / "eval") == ["base.json"]
+
+
+# ----------------------------------------------------------------------------- evaluate_model
+
+class TokBackend:
+    """A rollout backend that answers each prompt with reply(prompt_text) -> str, ending the turn with <|im_end|>."""
+
+    def __init__(self, tok, reply):
+        self.tok, self.reply = tok, reply
+        self.eos = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids):
+        out = []
+        for p in prompts:
+            ids = self.tok(self.reply(self.tok.decode(p)), add_special_tokens=False)["input_ids"] + [self.eos]
+            out.append(Generation(ids, [0.0] * len(ids), True))
+        return out
+
+
+def coin_math(text):
+    """Right with probability 1/2 (torch's RNG, so the rollout seed decides), else a wrong answer."""
+    a, op, b = re.findall(r"What is (\d+)([-+*])(\d+)\?", text)[-1]
+    value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    return f"\\boxed{{{value if torch.rand(1).item() < 0.5 else -1}}}"
+
+
+def test_evaluate_model_on_the_micro_model(micro):
+    model, tok = micro
+    model.train()  # evaluation must not leave a training model in eval mode
+    try:
+        res = evaluate.evaluate_model(model, tok, domains=("math", "if"), splits=("test", "ood"), n=3,
+                                      max_turn_tokens=12, batch=8)
+        assert model.training
+    finally:
+        model.eval()
+    assert list(res) == ["math/test", "math/ood", "if/test", "if/ood"]
+    for r in res.values():
+        assert {"mean", "std", "n", "k", "seeds", "per_seed", "metrics"} <= set(r)
+        assert (r["n"], r["k"], r["seeds"], r["std"]) == (3, 1, 1, 0.0) and 0.0 <= r["mean"] <= 1.0
+    assert {"acc", "boxed"} <= set(res["math/test"]["metrics"])
+    assert {"prompt_strict", "inst_strict"} <= set(res["if/ood"]["metrics"])
+
+
+def test_seeds_std_reproducibility_and_rng(micro):
+    _, tok = micro
+    backend = TokBackend(tok, coin_math)
+    tasks = evaluate.load_benchmarks("tiny", ["math"], ["test"], n=40)
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    res = evaluate.evaluate_model(None, tok, seeds=2, tasks=tasks, backend=backend)["math/test"]
+    assert torch.equal(torch.rand(3), want)  # the caller's random stream is untouched
+    a, b = res["per_seed"]
+    assert a != b and 0.2 < a < 0.8 and res["seeds"] == 2
+    assert res["mean"] == pytest.approx((a + b) / 2) and res["std"] == pytest.approx(statistics.stdev([a, b]))
+    again = evaluate.evaluate_model(None, tok, seeds=[1], tasks=tasks, backend=backend)["math/test"]
+    assert again["per_seed"] == [b] and again["std"] == 0.0
+    assert evaluate.evaluate_model(None, tok, seeds=2, k=3, tasks=tasks, backend=backend)["math/test"]["k"] == 3
+
+
+# ----------------------------------------------------------------------------- the command line
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+
+
+FAST = ["--suite", "tiny", "--n", "4", "--domains", "math,if", "--max-turn-tokens", "12", "--max-tokens", "200",
+        "--threads", "1"]
+
+
+def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
+    model, tok = micro
+    runs = tmp_path / "runs" / "tiny"
+    for sub in ("base", "seq/1-math", "seq/2-if"):
+        save_checkpoint(str(runs / sub), model, tok, {"method": "test"})
+    r = run_cli("--ckpt", str(runs / "base"), str(runs / "seq/1-math"), *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = runs / "eval"
+    assert sorted(os.listdir(ev)) == ["base.json", "seq-1-math.json", "seq_matrix.json", "seq_matrix.png"]
+    rec = json.loads((ev / "seq-1-math.json").read_text())
+    assert rec["ckpt"] == str(runs / "seq/1-math") and rec["suite"] == "tiny" and rec["wall_s"] > 0
+    assert rec["settings"]["n"] == 4 and rec["settings"]["domains"] == ["math", "if"]
+    assert list(rec["benchmarks"]) == ["math/test", "math/ood", "if/test", "if/ood"]
+    assert all((b["n"], b["k"], b["seeds"]) == (4, 1, 1) for b in rec["benchmarks"].values())
+    assert "| checkpoint | math/test | math/ood | if/test | if/ood |" in r.stdout
+    assert re.search(r"\| seq-1-math \| \d\.\d{3} ± 0\.000 \|", r.stdout) and "BWT" in r.stdout
+    m = json.loads((ev / "seq_matrix.json").read_text())
+    assert m["rows"] == ["base", "seq-1-math"] and m["domains"] == ["math", "if"]
+    assert m["matrix"][1][0] == rec["benchmarks"]["math/test"]["mean"]
+    # A later stage alone: the matrix takes the base and stage 1 from the saved results.
+    r = run_cli("--ckpt", str(runs / "seq/2-if"), *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rows from saved results: base, seq-1-math" in r.stdout
+    assert json.loads((ev / "seq_matrix.json").read_text())["rows"] == ["base", "seq-1-math", "seq-2-if"]
+    # --out-dir overrides runs/<preset>/eval
+    r = run_cli("--ckpt", str(runs / "base"), *FAST, "--out-dir", str(tmp_path / "elsewhere"))
+    assert r.returncode == 0 and os.listdir(tmp_path / "elsewhere") == ["base.json"]
+
+
+def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
+    r = run_cli("--ckpt", str(tmp_path / "runs/tiny/seq/1-math"), "--suite", "tiny")
+    assert r.returncode != 0 and r.stderr.strip().count("\n") == 0
+    assert r.stderr.startswith("error: checkpoint directory not found") and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--suite", "huge"], "unknown suite"),
+    (["--domains", "math,maths"], "unknown domain"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--k", "0"], "--k must be >= 1"),
+    (["--splits", "test,tset"], "unknown split"),
+    (["--source", "aime26=x.jsonl"], "--source is for the full suite"),
+    (["--suite", "full", "--benchmarks", "aime25"], "unknown full-suite benchmark"),
+    (["--suite", "full", "--benchmarks", "tau_ood"], "tau_ood needs"),
+    (["--suite", "full", "--source", "aime26"], "NAME=PATH_OR_ID"),
+    (["--matrix"], "--matrix needs sequential stages"),
+])
+def test_bad_input_stops_before_anything_is_written(micro, tmp_path, monkeypatch, args, message):
+    model, tok = micro
+    ckpt = tmp_path / "runs" / "tiny" / "base"
+    save_checkpoint(str(ckpt), model, tok, {"method": "test"})
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "--ckpt", str(ckpt), *args])
+    with pytest.raises(SystemExit) as e:
+        evaluate.main()
+    assert str(e.value.code).startswith("error: ") and message in str(e.value.code) and "\n" not in str(e.value.code)
+    assert os.listdir(tmp_path / "runs" / "tiny") == ["base"]
+
+
+def test_cli_checkpoint_outside_runs_needs_out_dir(micro, tmp_path, monkeypatch):
+    model, tok = micro
+    save_checkpoint(str(tmp_path / "ck"), model, tok, {"method": "test"})
+    (tmp_path / "notackpt").mkdir()
+    for args, message in (([str(tmp_path / "ck")], "pass --out-dir"), ([str(tmp_path / "notackpt")], "no config.json")):
+        monkeypatch.setattr(sys, "argv", ["evaluate.py", "--ckpt", *args])
+        with pytest.raises(SystemExit, match=message):
+            evaluate.main()
+
+
+# ----------------------------------------------------------------------------- the full suite on local fixtures
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def fake_user(path, headers, body):
+    """The simulated customer: states a need first, then ends the conversation."""
+    reply = "Hi, I need help with an order." if len(body["messages"]) <= 2 else "###STOP###"
+    return 200, {"choices": [{"message": {"role": "assistant", "content": reply}}]}
+
+
+def test_full_suite_on_local_fixtures(micro, tmp_path):
+    _, tok = micro
+    sources = {"aime26": write_jsonl(tmp_path / "aime.jsonl", [
+        {"problem_idx": 1, "problem": "Find $2^{10} \\bmod 1000$.", "answer": "24"},
+        {"problem_idx": 2, "problem": "Compute $7 \\cdot 11 \\cdot 13$.", "answer": "1001"}])}
+    qa = lambda i, q, a: {"id": str(i), "question": q, "golden_answers": a}
+    write_jsonl(tmp_path / "qa/bamboogle/test.jsonl", [qa(0, "How many hours are in a day?", ["24"]),
+                                                        qa(1, "Capital of France?", ["Paris"])])
+    corpus = write_jsonl(tmp_path / "wiki.jsonl", [{"id": "0", "contents": '"Day"\nA day has 24 hours.'}])
+    sources["ifeval"] = write_jsonl(tmp_path / "ifeval.jsonl", [
+        {"key": 1, "prompt": "Answer without commas.", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
+        {"key": 2, "prompt": "Give a title.", "instruction_id_list": ["detectable_format:title"], "kwargs": [{}]}])
+    tau = tmp_path / "tau2"
+    write_tau2(tau)  # the tau2 retail fixture of test_env_ecommerce, with two test tasks of our own
+    (tau / "tasks.json").write_text(json.dumps([
+        {"id": "a", "user_scenario": {"instructions": "Ask about your order, then stop."},
+         "evaluation_criteria": {"actions": [], "communicate_info": []}},
+        {"id": "b", "user_scenario": {"instructions": "Cancel #W4776164."},
+         "evaluation_criteria": {"actions": [{"name": "cancel_pending_order",
+                                              "arguments": {"order_id": "#W4776164", "reason": "no longer needed"}}]}}]))
+    (tau / "split_tasks.json").write_text(json.dumps({"test": ["a", "b"]}))
+    with JSONServer(fake_user) as user:
+        env_opts = {"search": {"data": str(tmp_path / "qa"), "corpus": corpus},
+                    "ecommerce": {"data": str(tau), "user_url": user.url + "/v1"}}
+        names = ["aime26", "bamboogle", "tau_retail", "ifeval"]
+        tasks = evaluate.load_benchmarks("full", n=None, env_opts=env_opts, sources=sources, benchmarks=names)
+        assert list(tasks) == names and [len(t) for _, t in tasks.values()] == [2, 2, 2, 2]
+        # One fixed reply is right on exactly one task of each benchmark: AIME's 24 (math-verify), Bamboogle's
+        # "24" (EM), the tau task that needs no database change (the user stops), IFEval's no-comma rule.
+        backend = TokBackend(tok, lambda text: "So \\boxed{24} <answer>24</answer>")
+        res = evaluate.evaluate_model(None, tok, suite="full", seeds=2, tasks=tasks, backend=backend)
+    for name in names:
+        assert res[name]["mean"] == pytest.approx(0.5) and res[name]["std"] == 0.0 and res[name]["n"] == 2, name
+    assert res["aime26"]["k"] == 16 and res["ifeval"]["k"] == 1  # AIME is avg@16
+    assert res["bamboogle"]["metrics"]["answered"] == 1.0 and "f1" in res["bamboogle"]["metrics"]
+    assert res["tau_retail"]["metrics"]["user_error"] == 0.0 and res["tau_retail"]["metrics"]["db_match"] == 0.5
+    assert evaluate.domain_score(res, "math") == 0.5 and evaluate.domain_score(res, "search") is None  # nq: absent
+    with pytest.raises(EnvError, match="tau_ood needs"):
+        evaluate.load_benchmarks("full", benchmarks=["tau_ood"], env_opts=env_opts)
+    with pytest.raises(EnvError, match="unknown full-suite benchmark 'aime25'"):
+        evaluate.load_benchmarks("full", sources={"aime25": "x"})
