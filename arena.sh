@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
 # ACLArena, the whole study in order, one step per line (like nanochat's speedrun.sh).
 # Each line's comment gives its cost on a 2-core CPU for the tiny arena (the default).
-# Later issues add the sequential stages, oracles, consolidators and evaluation here.
+#
+#   bash arena.sh                      # the tiny arena on the CPU
+#   ARENA=qwen3-8b NPROC=8 bash arena.sh   # full scale: every training line becomes a torchrun launch of the
+#                                          # qwen3-8b preset (see the README for multi-node flags and services)
+#
+# A killed run restarted with the same command skips what is finished and resumes the rest.
 set -euo pipefail
 cd "$(dirname "$0")"
 export TOKENIZERS_PARALLELISM=false
-RUNS=runs/tiny
+ARENA=${ARENA:-tiny}
+RUNS=runs/$ARENA
+if [ "$ARENA" = tiny ]; then
+    RUN="python"
+    SUITE=tiny
+else
+    RUN="torchrun --nproc_per_node=${NPROC:-8} ${TORCHRUN_ARGS:-}"
+    SUITE=full
+fi
 
 # 1. the base: BPE tokenizer + ~1M-parameter Qwen3 pre-trained on the worlds' text and noisy demos (~5 min)
-[ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
-# 2. the base's sampled score on every domain's test and ood split, with rollout speed (~2 min)
-python -m envs.rollout --ckpt "$RUNS/base" --n 300 | tee "$RUNS/base_scores.md"
+[ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
+# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
+$RUN train_seq.py --preset "$ARENA"
+# 3. the four single-task oracles, each one stage from the base (~7 min)
+$RUN train_seq.py --preset "$ARENA" --oracle
+# 4. evaluation at 300 tasks per split: the base, every stage, every oracle; the accuracy matrix with
+#    forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~15 min: 9 checkpoints x ~100 s)
+python evaluate.py --suite "$SUITE" --ckpt "$RUNS/base" "$RUNS"/seq/[0-9]-{math,search,ecommerce,if} \
+    "$RUNS"/oracle/{math,search,ecommerce,if} | tee "$RUNS/scores.md"

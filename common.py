@@ -76,6 +76,53 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def full_params(model):
+    """Yield (name, full tensor) for every parameter, one at a time: under FSDP2 each is all-gathered as it
+    is yielded (every rank must iterate in step), so weights can be pushed to a generation engine without
+    ever holding a whole unsharded model beside the shards."""
+    for name, p in model.named_parameters():
+        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of a tensor over ranks (a copy); the tensor itself when not distributed."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x
+
+
+def save_train_state(path: str, model, opt, extra: dict):
+    """Everything needed to resume training beside the checkpoint: the model and optimizer state (full,
+    gathered to rank 0 under FSDP2), the RNG states and `extra` (step, data cursor, ...). Atomic: written
+    to a temporary file, then renamed. Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=opts)
+    if rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        state = dict(model=msd, optim=osd, extra=extra, torch_rng=torch.get_rng_state(),
+                     py_rng=random.getstate(), np_rng=np.random.get_state())
+        tmp = f"{path}.tmp-{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+
+
+def load_train_state(path: str, model, opt) -> dict:
+    """Restore what save_train_state wrote into `model` and `opt` (broadcast from rank 0 under FSDP2);
+    returns `extra`. Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=world_size() > 1)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["py_rng"])
+    np.random.set_state(state["np_rng"])
+    return state["extra"]
+
+
 def all_reduce_mean(x: float) -> float:
     """Mean of a Python float over ranks (for logging: loss, reward)."""
     import torch.distributed as dist

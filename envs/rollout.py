@@ -67,6 +67,14 @@ class HFBackend:
                 out[i] = g
         return out
 
+    @torch.no_grad()
+    def load_weights(self, named_tensors):
+        """The weight push after a training update: copy (name, full tensor) pairs, one at a time, into
+        the engine's own model (see common.full_params). Not needed when the engine *is* the policy."""
+        params = dict(self.model.named_parameters())
+        for name, t in named_tensors:
+            params[name].copy_(t)
+
     def _generate_batch(self, prompts, max_new_tokens, temperature, stop_ids):
         pad = self.tok.pad_token_id
         T = max(len(p) for p in prompts)
@@ -76,15 +84,16 @@ class HFBackend:
             ids[i, T - len(p):] = torch.tensor(p)
             attn[i, T - len(p):] = 1
         greedy = temperature <= 0
+        dev = next(self.model.parameters()).device
         res = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=not greedy,
+            input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens, do_sample=not greedy,
             temperature=None if greedy else temperature, top_k=None if greedy else 0, top_p=None if greedy else 1.0,
             eos_token_id=list(stop_ids), pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
-        new = res.sequences[:, T:]                                     # (B, N)
+        new = res.sequences[:, T:].cpu()                               # (B, N)
         # scores are the processed logits (divided by the temperature): their log-softmax at the chosen
         # token is the log-prob under the distribution that was actually sampled from.
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in res.scores], 1)  # (B, N, V)
-        tok_logp = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)      # (B, N)
+        tok_logp = logp.gather(-1, new.to(logp.device).unsqueeze(-1)).squeeze(-1).cpu()   # (B, N)
         stops = torch.tensor(list(stop_ids))
         gens = []
         for i in range(len(prompts)):

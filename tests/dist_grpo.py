@@ -1,0 +1,56 @@
+"""Run by tests/test_train_seq.py, once alone and once under `torchrun --standalone --nproc_per_node=2`
+(gloo): one GRPO update (train_seq.train_on with the clipped surrogate) of a micro Qwen3 on a fixed
+global batch of episodes, each rank taking its share, FSDP2-sharded when distributed. The sampler's
+log-probs are perturbed so the clip and the importance weight are exercised. Rank 0 writes the loss,
+the clip fraction and the updated full state dict to argv[1]."""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from common import full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
+from envs.rollout import Episode  # noqa: E402
+from train_seq import grpo_token_loss, train_on  # noqa: E402
+
+
+def episodes(n: int = 8):
+    """Fixed episodes of different lengths: prompt tokens (mask 0), sampled tokens (mask 1), a tool
+    observation in the middle (mask 0), sampling log-probs near the model's."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(n):
+        p, s1, o, s2 = 3 + i % 3, 4 + i % 4, 2, 3 + i % 2
+        ids = torch.randint(1, 64, (p + s1 + o + s2,), generator=g).tolist()
+        mask = [0] * p + [1] * s1 + [0] * o + [1] * s2
+        lps = [(-3.0 + 0.8 * float(torch.randn((), generator=g))) * m for m in mask]
+        out.append(Episode(f"t{i // 2}", "math", "train", i % 2, ids, mask, lps, p))
+    return out
+
+
+def main():
+    init_dist()
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, intermediate_size=64, tie_word_embeddings=True, max_position_embeddings=64,
+                      pad_token_id=0)
+    model = shard(Qwen3ForCausalLM(cfg))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    eps = episodes()
+    adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
+    a = argparse.Namespace(micro_batch=int(sys.argv[2]) if len(sys.argv) > 2 else 3, agg=sys.argv[3] if len(sys.argv) > 3
+                           else "token", clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, grad_clip=1e9)
+    per = len(eps) // world_size()
+    mine = slice(rank() * per, (rank() + 1) * per)
+    loss, clip = train_on(model, opt, eps[mine], grpo_token_loss, a, adv=adv[mine])
+    sd = full_state_dict(model)
+    if rank() == 0:
+        torch.save({"loss": loss, "clip": clip, "state": sd}, sys.argv[1])
+    teardown()
+
+
+if __name__ == "__main__":
+    main()

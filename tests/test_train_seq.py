@@ -1,0 +1,221 @@
+"""train_seq.py: the GRPO pieces on hand-made numbers, FSDP2 on 2 CPU ranks = 1 process, and the
+sequential run end to end on a micro checkpoint (resume, skip finished stages, bad input, NaN)."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_seq
+from envs.rollout import Episode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ns(**kw):
+    base = dict(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, agg="token", micro_batch=4, grad_clip=1e9)
+    return argparse.Namespace(**(base | kw))
+
+
+def ep(tid, reward, n=3):
+    return Episode(tid, "math", "train", 0, [1] * n, [1] * n, [0.0] * n, 0, reward=reward)
+
+
+def test_group_advantages_by_hand():
+    eps = [ep("a", 1.0), ep("a", 0.0), ep("a", 0.0), ep("a", 1.0), ep("b", 1.0), ep("b", 1.0), ep("c", 0.5), ep("c", 0.0)]
+    adv, flat = train_seq.group_advantages(eps)
+    assert flat == {"b"}                                      # all equal: dropped by dynamic sampling
+    s = torch.tensor([1.0, 0, 0, 1]).std().item()             # unbiased std, as torch.std
+    assert adv[0] == pytest.approx(0.5 / s, rel=1e-5) and adv[1] == pytest.approx(-0.5 / s, rel=1e-5)
+    assert adv[6] == pytest.approx(0.25 / torch.tensor([0.5, 0.0]).std().item(), rel=1e-5)
+    assert 4 not in adv and 5 not in adv
+    adv_all, _ = train_seq.group_advantages(eps, drop_flat=False)   # without dynamic sampling: flat groups get 0
+    assert adv_all[4] == 0.0 and adv_all[5] == 0.0 and adv_all[0] == adv[0] and adv_all[7] == adv[7]
+
+
+def test_grpo_token_loss_clips_by_hand():
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[0.5, 1.0, 1.1, 1.5]]))     # ratios 0.5, 1.0, 1.1, 1.5
+    a = ns()
+    pos = train_seq.grpo_token_loss(logp, old, old, torch.ones(1, 1), None, a)
+    # A > 0: min(r A, clip(r) A) -> 0.5, 1.0, 1.1, 1.28 (clip-high caps the gain)
+    assert pos.tolist()[0] == pytest.approx([-0.5, -1.0, -1.1, -1.28], rel=1e-6)
+    neg = train_seq.grpo_token_loss(logp, old, old, -torch.ones(1, 1), None, a)
+    # A < 0: min(-r, -clip(r)) -> -0.8 (clip-low), -1, -1.1, -1.5
+    assert neg.tolist()[0] == pytest.approx([0.8, 1.0, 1.1, 1.5], rel=1e-6)
+    # the truncated importance weight: sampler log-prob below the trainer's by log 3 -> weight capped at 2
+    w = train_seq.grpo_token_loss(old, old, old - torch.log(torch.tensor(3.0)), torch.ones(1, 1), None, a)
+    assert w.tolist()[0] == pytest.approx([-2.0] * 4, rel=1e-6)
+    # k3 KL: exp(d) - d - 1 with d = ref - logp
+    k = train_seq.grpo_token_loss(old, old, old, torch.zeros(1, 1), torch.full((1, 4), 0.5), ns(kl_coef=0.1))
+    assert k.tolist()[0] == pytest.approx([0.1 * (torch.exp(torch.tensor(0.5)).item() - 1.5)] * 4, rel=1e-5)
+
+
+def _fixed_episodes():
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import dist_grpo
+    return dist_grpo.episodes()
+
+
+@pytest.mark.parametrize("agg", ["token", "seq"])
+def test_micro_batches_do_not_change_the_update(agg):
+    """token-/seq-mean over the global batch: the same update whatever the micro-batch size."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, intermediate_size=64, tie_word_embeddings=True, max_position_embeddings=64,
+                      pad_token_id=0)
+    eps = _fixed_episodes()
+    adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
+    out = []
+    for mb in (1, 3, 8):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        loss, _ = train_seq.train_on(model, opt, eps, train_seq.grpo_token_loss, ns(micro_batch=mb, agg=agg), adv=adv)
+        out.append((loss, {k: v.clone() for k, v in model.state_dict().items()}))
+    for loss, sd in out[1:]:
+        assert loss == pytest.approx(out[0][0], rel=1e-5, abs=1e-7)
+        for k in sd:
+            torch.testing.assert_close(sd[k], out[0][1][k], rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_two_cpu_ranks_match_one_process(tmp_path):
+    """One GRPO update under torchrun --nproc_per_node=2 (FSDP2, gloo) = the same update in one process."""
+    script = os.path.join(ROOT, "tests", "dist_grpo.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    subprocess.run([sys.executable, script, one, "3"], check=True, cwd=ROOT, env=env, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                        two, "2"], cwd=ROOT, env=env, timeout=180, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = torch.load(one), torch.load(two)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for k in a["state"]:
+        torch.testing.assert_close(b["state"][k], a["state"][k], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- end to end on a micro base
+
+@pytest.fixture(scope="module")
+def micro_base(tmp_path_factory):
+    """A micro checkpoint saved like the tiny base (tokenizer with the chat template + acl_meta.json)."""
+    from transformers import Qwen3ForCausalLM
+
+    from common import save_checkpoint
+    from envs.tiny import model_config, train_tokenizer
+    texts = ["What is 12+7? \\boxed{19}", "<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"x\"}}</tool_call>",
+             "Tomas Velder was born in Brimsk. <answer>Brimsk</answer>"] * 20
+    tok = train_tokenizer(texts, vocab_size=400)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(model_config(tok, "micro", 512))
+    out = str(tmp_path_factory.mktemp("runs") / "base")
+    save_checkpoint(out, model, tok, dict(method="base", stage="base"))
+    return out
+
+
+FAST = ["--steps", "2", "--prompts", "2", "--group", "2", "--rft-prompts", "2", "--rft-samples", "2", "--eval-n", "2",
+        "--max-tokens", "160", "--max-turn-tokens", "24", "--no-dynamic-sampling", "--save-every", "1", "--threads", "1"]
+
+
+def run_cli(args, cwd=ROOT):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_seq.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeypatch):
+    runs = str(tmp_path / "runs")
+    args = ["--init", micro_base, "--runs", runs, "--curriculum", "math,search", *FAST]
+    # a run killed in stage 2's GRPO (the 2nd update of search): stage 1 and the RFT checkpoint are whole
+    calls = {"n": 0}
+    real = train_seq.train_on
+
+    def dying(model, opt, episodes, token_loss, *a, **kw):
+        if token_loss is train_seq.grpo_token_loss and "search" in episodes[0].env:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+        return real(model, opt, episodes, token_loss, *a, **kw)
+
+    monkeypatch.setattr(train_seq, "train_on", dying)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(KeyboardInterrupt):
+        train_seq.main(args)
+    assert os.path.isfile(os.path.join(runs, "seq", "1-math", "acl_meta.json"))
+    assert os.path.isfile(os.path.join(runs, "seq", "2-search-rft", "acl_meta.json"))
+    assert os.path.isfile(os.path.join(runs, "seq", ".resume-2-search.pt"))
+    assert not os.path.exists(os.path.join(runs, "seq", "2-search"))
+    assert os.path.isfile(os.path.join(runs, "eval", "seq-1-math.json"))
+    # the same command again: skips stage 1, reuses the RFT checkpoint, resumes GRPO at step 1
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[seq/1-math] finished before, skipping" in r.stdout
+    assert "rft: done before" in r.stdout
+    assert "resumed at step 1" in r.stdout
+    meta = json.load(open(os.path.join(runs, "seq", "2-search", "acl_meta.json")))
+    assert meta["stage"] == "search" and meta["curriculum_position"] == 2 and meta["method"] == "seq"
+    assert meta["parent"] == os.path.abspath(os.path.join(runs, "seq", "1-math"))
+    assert not os.path.exists(os.path.join(runs, "seq", ".resume-2-search.pt"))
+    res = json.load(open(os.path.join(runs, "eval", "seq-2-search.json")))["benchmarks"]
+    assert {"math/test", "search/ood", "ecommerce/test", "if/ood"} <= set(res)
+    # the checkpoint loads as a plain HF model
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(os.path.join(runs, "seq", "2-search"))
+    # a third run does nothing; a changed recipe under the same --runs is refused
+    r = run_cli(args)
+    assert r.returncode == 0 and r.stdout.count("finished before, skipping") == 2
+    r = run_cli(args + ["--lr", "1e-2"])
+    assert r.returncode != 0 and "another recipe" in r.stderr
+
+
+def test_oracle_writes_oracle_dirs(micro_base, tmp_path):
+    runs = str(tmp_path / "runs")
+    r = run_cli(["--init", micro_base, "--runs", runs, "--curriculum", "if", "--oracle", *FAST, "--eval-n", "0"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    meta = json.load(open(os.path.join(runs, "oracle", "if", "acl_meta.json")))
+    assert meta["method"] == "oracle" and meta["parent"] == os.path.abspath(micro_base)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (["--curriculum", "math,serch"], "serch"),
+    (["--curriculum", "math,math"], "distinct"),
+    (["--init", "runs/nope/base"], "not found"),
+    (["--group", "1"], "--group"),
+    (["--clip-low", "1.5"], "--clip-low"),
+    (["--steps", "math=3"], "search"),
+])
+def test_bad_input_stops_before_writing(micro_base, tmp_path, bad, msg):
+    runs = str(tmp_path / "runs")
+    args = ["--init", micro_base, "--runs", runs, "--curriculum", "math,search", *FAST] + bad
+    r = run_cli(args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], r.stderr
+    assert not os.path.exists(runs)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, monkeypatch, capsys):
+    runs = str(tmp_path / "runs")
+    real = train_seq.grpo_token_loss
+
+    def nan_on_search(logp, *a):
+        out = real(logp, *a)
+        return out * float("nan") if logp.size(1) > 0 and nan_on_search.stage == "search" else out
+
+    nan_on_search.stage = None
+    real_stage = train_seq.run_stage
+
+    def stage(i, domain, *a):
+        nan_on_search.stage = domain
+        return real_stage(i, domain, *a)
+
+    monkeypatch.setattr(train_seq, "grpo_token_loss", nan_on_search)
+    monkeypatch.setattr(train_seq, "run_stage", stage)
+    with pytest.raises(SystemExit) as e:
+        train_seq.main(["--init", micro_base, "--runs", runs, "--curriculum", "math,search", *FAST, "--eval-n", "0",
+                        "--rft-prompts", "0"])
+    assert "non-finite loss" in str(e.value.code) and "seq/1-math" in str(e.value.code)
+    assert os.path.isfile(os.path.join(runs, "seq", "1-math", "acl_meta.json"))
+    assert not os.path.exists(os.path.join(runs, "seq", "2-search"))

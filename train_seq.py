@@ -1,0 +1,610 @@
+"""Sequential multi-stage RL: the agent learns the domains one after another (math -> search ->
+ecommerce -> if by default), each stage starting from the previous stage's checkpoint, and every
+stage is followed by an evaluation on every domain, so forgetting and transfer can be read off.
+A one-stage curriculum from the base is a single-task oracle (--oracle).
+
+Each stage:
+  1. agentic domains (search, ecommerce) start with rejection-sampled fine-tuning (RFT): sample
+     --rft-samples rollouts for each of --rft-prompts train prompts from the current policy, keep the
+     ones with full reward and well-formed tool calls (deduplicated), SFT on them (loss on the policy's
+     own tokens only) -> runs/<preset>/seq/<i>-<domain>-rft/;
+  2. GRPO for --steps steps: --prompts prompts x --group samples, group-normalised advantages, a
+     clipped surrogate with separate low/high clip (DAPO), token-mean or sequence-mean aggregation,
+     optional k3 KL to the stage's starting weights, dynamic sampling (groups with equal rewards are
+     dropped and more prompts drawn), a truncated importance weight between the sampler's and the
+     trainer's log-probs, environment tokens masked out -> runs/<preset>/seq/<i>-<domain>/;
+  3. evaluate every domain (evaluate.py) -> runs/<preset>/eval/seq-<i>-<domain>.json.
+
+    python train_seq.py                                  # tiny: runs/tiny/seq/1-math ... 4-if (CPU)
+    python train_seq.py --oracle                         # tiny oracles: runs/tiny/oracle/<domain>
+    python train_seq.py --curriculum if,math --runs runs/tiny-if-first     # any order or subset
+    torchrun --standalone --nproc_per_node=2 train_seq.py --runs runs/tiny-dist   # FSDP2, 2 CPU ranks (gloo)
+    torchrun --nnodes=N --node-rank=R --rdzv-endpoint=HOST:29500 --nproc_per_node=8 \\
+        train_seq.py --preset qwen3-8b                   # full scale (see README)
+
+A killed run restarted with the same command skips finished stages and resumes the current one from
+its last saved step (--save-every); changing the recipe under an existing run directory is refused.
+
+Differences from the paper:
+1. Rollouts use transformers `generate` (the `hf` backend) unless --backend vllm; under torchrun the
+   hf backend keeps one unsharded copy of the policy per rank and weights are pushed to it after every
+   update, parameter by parameter, the way they are pushed to a colocated vLLM engine.
+2. The tiny preset's step counts, batch sizes and learning rate are chosen to fit a 2-core CPU; the
+   qwen3-8b preset's follow the paper's range (group 8, lr 1e-6).
+3. The optimizer is reset at every stage (each stage is its own RL run, as in the paper's pipeline).
+"""
+import argparse
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+from common import (
+    all_reduce_sum,
+    full_params,
+    full_state_dict,
+    init_dist,
+    load_train_state,
+    print0,
+    rank,
+    read_meta,
+    save_checkpoint,
+    save_train_state,
+    seed_all,
+    shard,
+    teardown,
+    world_size,
+)
+
+# Defaults per preset; every one is a flag. The tiny preset's numbers fit the whole sequential run plus
+# the four oracles into a few minutes per stage on 2 CPU cores; per-domain steps because an ecommerce
+# episode costs ~5x a math one.
+PRESETS = {
+    "tiny": dict(init="runs/tiny/base", steps="math=40,search=30,ecommerce=20,if=30", prompts=16, group=8,
+                 lr=5e-4, max_tokens=1024, max_turn_tokens=256, micro_batch=64, rft_prompts=256, rft_samples=4,
+                 rft_epochs=2, rft_lr=1e-3, eval_n=100, bf16=False, grad_ckpt=False, gen_batch=128),
+    "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
+                     group=8, lr=1e-6, max_tokens=8192, max_turn_tokens=2048, micro_batch=4, rft_prompts=2048,
+                     rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, bf16=True, grad_ckpt=True,
+                     gen_batch=256),
+}
+AGENTIC = ("search", "ecommerce")
+
+
+# ----------------------------------------------------------------------------- the losses
+
+def pack(episodes, pad_id: int):
+    """Right-padded training tensors. Position t of the (T-1)-long tensors predicts token t+1.
+    -> ids (B, T), attn (B, T), mask (B, T-1): 1 where the policy sampled token t+1,
+       sampler_logp (B, T-1): the sampling log-prob of token t+1."""
+    T = max(len(e.token_ids) for e in episodes)
+    ids = torch.full((len(episodes), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(episodes), T), dtype=torch.long)
+    mask = torch.zeros((len(episodes), T), dtype=torch.float)
+    slp = torch.zeros((len(episodes), T), dtype=torch.float)
+    for i, e in enumerate(episodes):
+        n = len(e.token_ids)
+        ids[i, :n] = torch.tensor(e.token_ids)
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(e.loss_mask, dtype=torch.float)
+        slp[i, :n] = torch.tensor(e.logprobs, dtype=torch.float)
+    return ids, attn, mask[:, 1:], slp[:, 1:]
+
+
+def token_logprobs(model, ids, attn, temperature: float = 1.0):
+    """(B, T-1) log-prob of each next token; logits divided by the sampling temperature so the trainer
+    and the sampler score the same distribution."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()   # (B, T-1, V)
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+
+
+def grpo_token_loss(logp, old_logp, sampler_logp, adv, ref_logp, a):
+    """The GRPO/DAPO per-token loss, (B, T-1), to be masked and aggregated by the caller.
+    logp: current policy; old_logp: the trainer's log-probs under the weights that sampled (no grad);
+    sampler_logp: the generation engine's; adv (B, 1): group-normalised advantage; ref_logp or None."""
+    ratio = torch.exp(logp - old_logp)                                    # PPO ratio, trainer vs trainer
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - a.clip_low, 1 + a.clip_high) * adv)
+    # truncated importance weight for the sampler/trainer mismatch (bf16 vLLM vs FSDP): 1 when they agree
+    tis = torch.exp(old_logp - sampler_logp).clamp(max=a.tis_cap).detach()
+    loss = -surr * tis
+    if ref_logp is not None and a.kl_coef > 0:
+        d = ref_logp - logp
+        loss = loss + a.kl_coef * (torch.exp(d) - d - 1)                  # k3 estimator of KL(pi || ref)
+    return loss
+
+
+def sft_token_loss(logp, old_logp, sampler_logp, adv, ref_logp, a):
+    """Negative log-likelihood of the kept tokens (the RFT cold start; sdft.py uses it too)."""
+    return -logp
+
+
+def train_on(model, opt, episodes, token_loss, a, temperature=1.0, adv=None, ref_model=None, old=None):
+    """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of
+    a.micro_batch sequences. The loss is normalised by the *global* number of loss tokens (token-mean) or
+    sequences (seq-mean), and multiplied by the world size because FSDP averages gradients over ranks:
+    N ranks give the same update as one process on the whole batch. Returns (loss, clip_frac) over the
+    global batch. `old`: the trainer's log-probs per episode before this update, or None when this is
+    the first update on the batch (then they equal the current log-probs, detached)."""
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].token_ids))   # less padding
+    micro = [order[s: s + a.micro_batch] for s in range(0, len(order), a.micro_batch)]
+    # every rank must run the same number of forward/backward passes (FSDP collectives): pad with empty ones
+    n_micro = int(all_reduce_max(len(micro)))
+    n_tok = all_reduce_sum(torch.tensor(float(sum(sum(e.loss_mask) for e in episodes)))).item()
+    n_seq = all_reduce_sum(torch.tensor(float(len(episodes)))).item()
+    denom = max(n_tok if a.agg == "token" else n_seq, 1.0)
+    total, clipped = torch.zeros(()), torch.zeros(())
+    opt.zero_grad(set_to_none=True)
+    for m in range(n_micro):
+        idx = micro[m] if m < len(micro) else micro[0][:1] if micro else []
+        dummy = m >= len(micro)
+        if not idx:  # this rank has no episodes at all: a zero-weight pass on a one-token sequence
+            ids, attn, mask, slp = torch.tensor([[pad, pad]]), torch.ones(1, 2, dtype=torch.long), torch.zeros(1, 1), \
+                torch.zeros(1, 1)
+            dummy = True
+        else:
+            ids, attn, mask, slp = pack([episodes[i] for i in idx], pad)
+        dev = next(model.parameters()).device
+        ids, attn, mask, slp = ids.to(dev), attn.to(dev), mask.to(dev), slp.to(dev)
+        logp = token_logprobs(model, ids, attn, temperature)                           # (b, T-1)
+        if old is None or dummy:
+            old_lp = logp.detach()
+        else:
+            old_lp = torch.nn.utils.rnn.pad_sequence([old[i] for i in idx], batch_first=True)[:, : logp.size(1)]
+        A = torch.zeros(len(ids), 1, device=dev) if adv is None or dummy else \
+            torch.tensor([[adv[i]] for i in idx], dtype=torch.float, device=dev)       # (b, 1)
+        ref_lp = None
+        if ref_model is not None and not dummy:
+            with torch.no_grad():
+                ref_lp = token_logprobs(ref_model, ids, attn, temperature)
+        per_tok = token_loss(logp, old_lp, slp, A, ref_lp, a)                          # (b, T-1)
+        if dummy:
+            mask = torch.zeros_like(mask)
+        if a.agg == "token":
+            loss = (per_tok * mask).sum() / denom
+        else:
+            loss = ((per_tok * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denom
+        (loss * world_size()).backward()
+        total += loss.detach().cpu()
+        with torch.no_grad():
+            ratio = torch.exp(logp - old_lp)
+            clipped += (((ratio < 1 - a.clip_low) | (ratio > 1 + a.clip_high)).float() * mask).sum().cpu()
+    total = all_reduce_sum(total).item()
+    if not math.isfinite(total):
+        raise FloatingPointError(f"non-finite loss {total}")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+    opt.step()
+    return total, all_reduce_sum(clipped).item() / max(n_tok, 1.0)
+
+
+def all_reduce_max(x: float) -> float:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([float(x)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def group_advantages(episodes, drop_flat: bool = True, eps: float = 1e-6):
+    """GRPO: each episode's reward minus its group's mean, over the group's std. Groups are the samples of
+    one task (same task_id). Groups whose rewards are all equal carry no signal: with drop_flat (dynamic
+    sampling) they are left out, otherwise they get advantage 0. -> ({episode index: advantage}, flat ids)."""
+    groups = {}
+    for i, e in enumerate(episodes):
+        groups.setdefault(e.task_id, []).append(i)
+    adv, flat = {}, set()
+    for tid, idx in groups.items():
+        r = torch.tensor([episodes[i].reward for i in idx], dtype=torch.float)
+        if r.max() - r.min() < eps:
+            flat.add(tid)
+            if not drop_flat:
+                adv.update({i: 0.0 for i in idx})
+            continue
+        a = (r - r.mean()) / (r.std() + eps)
+        for i, v in zip(idx, a.tolist()):
+            adv[i] = v
+    return adv, flat
+
+
+def well_formed(ep) -> bool:
+    """Every assistant turn that tries a tool call parses, and the episode was not cut off."""
+    from envs.base import parse_tool_calls
+    if ep.truncated:
+        return False
+    for m in ep.messages:
+        if m.get("role") == "assistant" and "<tool_call>" in (m.get("content") or ""):
+            if parse_tool_calls(m["content"])[1]:
+                return False
+    return True
+
+
+# ----------------------------------------------------------------------------- the stage loop
+
+def per_domain(flag: str, text, domains) -> dict:
+    """'40' -> every domain 40; 'math=40,search=30' -> per domain (a curriculum domain not named: error)."""
+    try:
+        if "=" not in str(text):
+            return {d: int(text) for d in domains}
+        out = {k.strip(): int(v) for k, _, v in (part.partition("=") for part in text.split(","))}
+    except ValueError:
+        raise ValueError(f"{flag} takes N or domain=N,...; got {text!r}") from None
+    missing = [d for d in domains if d not in out]
+    if missing:
+        raise ValueError(f"{flag} names no count for {', '.join(missing)}")
+    return out
+
+
+class Cursor:
+    """Walks a seeded shuffle of the train prompts, epoch after epoch; its position is saved on resume.
+    Every rank walks the same order and takes its own slice of each global batch."""
+
+    def __init__(self, n: int, seed: int, pos: int = 0):
+        self.n, self.seed, self.pos = n, seed, pos
+
+    def take(self, k: int) -> list:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.pos, self.n)
+            order = list(range(self.n))
+            random.Random(self.seed * 1000 + epoch).shuffle(order)
+            out.append(order[i])
+            self.pos += 1
+        return out
+
+
+def load_policy(path: str, a, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=a.attn).to(device)
+    if a.grad_ckpt:
+        model.gradient_checkpointing_enable()
+    return model, tok
+
+
+def make_backend(a, policy, tok, path, device):
+    """(backend, engine_model): what rollouts are sampled with. Single process + hf: the policy itself.
+    Under FSDP2 + hf: an unsharded copy on each rank, refreshed by push_weights after every update."""
+    if a.backend == "vllm":
+        from envs.rollout import VLLMBackend  # issue 6: the colocated engine
+        return VLLMBackend(path, tok, a), None
+    from envs.rollout import HFBackend
+    if world_size() == 1:
+        return HFBackend(policy, tok, a.gen_batch), policy
+    engine, _ = load_policy(path, argparse.Namespace(attn=a.attn, grad_ckpt=False), device)
+    return HFBackend(engine.eval(), tok, a.gen_batch), engine
+
+
+def push_weights(backend, policy):
+    """After an update: gather the policy's parameters one at a time and copy them into the engine
+    (a no-op when the engine is the policy itself)."""
+    if getattr(backend, "model", None) is not policy:
+        backend.load_weights(full_params(policy))
+
+
+def stage_dir(a, i: int, domain: str) -> str:
+    return os.path.join(a.runs, "oracle", domain) if a.oracle else os.path.join(a.runs, "seq", f"{i}-{domain}")
+
+
+def recipe(a, domain: str) -> dict:
+    """The settings a finished stage must match to be skipped on a rerun."""
+    keys = ("group", "lr", "clip_low", "clip_high", "agg", "kl_coef", "temperature", "max_tokens",
+            "max_turn_tokens", "rft_samples", "rft_epochs", "rft_lr", "seed")
+    return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
+                rft_prompts=a.rft_prompts_by_domain[domain] if domain in AGENTIC else 0)
+
+
+def rollouts(backend, tok, env, tasks, n, a, seed):
+    from envs.rollout import rollout
+    return rollout(backend, tok, [(env, t) for t in tasks], n, a.temperature, max_tokens=a.max_tokens,
+                   max_turn_tokens=a.max_turn_tokens, seed=seed)
+
+
+def gather_mean(values) -> float:
+    """Mean of a list of floats over all ranks' lists."""
+    s = all_reduce_sum(torch.tensor([float(sum(values)), float(len(values))], dtype=torch.float64))
+    return (s[0] / s[1].clamp(min=1)).item()
+
+
+def rft(policy, tok, backend, env, tasks, a, stage_name):
+    """Rejection-sampled fine-tuning: keep full-reward, well-formed, distinct rollouts; SFT on them."""
+    t0 = time.time()
+    mine = tasks[rank()::world_size()]
+    policy.eval()
+    eps = rollouts(backend, tok, env, mine, a.rft_samples, a, seed=a.seed * 7919 + rank())
+    seen, kept = set(), []
+    for e in eps:
+        key = (e.task_id, tuple(t for t, m in zip(e.token_ids, e.loss_mask) if m))
+        if e.reward >= 1.0 and well_formed(e) and key not in seen:
+            seen.add(key)
+            kept.append(e)
+    n_kept = int(all_reduce_sum(torch.tensor(float(len(kept)))).item())
+    print0(f"[{stage_name}] rft: {len(tasks)} prompts x {a.rft_samples} samples, mean reward "
+           f"{gather_mean([e.reward for e in eps]):.3f}, kept {n_kept} distinct full-reward well-formed rollouts "
+           f"({time.time() - t0:.0f}s)")
+    if n_kept == 0:
+        print0(f"[{stage_name}] rft: nothing to learn from; GRPO starts from the current policy")
+        return 0
+    opt = torch.optim.AdamW(policy.parameters(), lr=a.rft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    policy.train()
+    per_step = max(1, a.micro_batch // 2)   # this rank's episodes per SFT step
+    n_steps = int(all_reduce_max(math.ceil(len(kept) / per_step))) * a.rft_epochs
+    rng = random.Random(a.seed + rank())
+    order = []
+    for s in range(n_steps):
+        if not order:
+            order = list(range(len(kept)))
+            rng.shuffle(order)
+        batch = [kept[order.pop()] for _ in range(min(per_step, len(order)))]
+        loss, _ = train_on(policy, opt, batch, sft_token_loss, a)
+        if s % 10 == 0 or s == n_steps - 1:
+            print0(f"[{stage_name}] rft sft step {s + 1}/{n_steps} | nll {loss:.4f}")
+    push_weights(backend, policy)
+    return n_kept
+
+
+def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None):
+    """The GRPO loop of one stage, resumable from `resume_path`."""
+    opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    train = env.tasks("train", seed=a.seed)
+    cursor, start = Cursor(len(train), a.seed), 0
+    if os.path.exists(resume_path):
+        extra = load_train_state(resume_path, policy, opt)
+        cursor.pos, start = extra["cursor"], extra["step"]
+        push_weights(backend, policy)
+        print0(f"[{stage_name}] resumed at step {start} from {resume_path}")
+    prompts = a.prompts_by_domain[domain]
+    per_rank = max(1, prompts // world_size())
+    t0 = time.time()
+    for step in range(start + 1, steps + 1):
+        t_step = time.time()
+        # ---- generate: draw prompts until enough groups carry signal (dynamic sampling), or give up
+        policy.eval()
+        kept, n_drawn, rewards, n_tok = [], 0, [], 0
+        for r in range(a.max_gen_rounds):
+            batch = cursor.take(prompts)
+            mine = [train[j] for j in batch[rank()::world_size()]]
+            eps = rollouts(backend, tok, env, mine, a.group, a, seed=(a.seed * 1_000_003 + step) * 97 + r * 7 + rank())
+            n_drawn += len(mine)
+            rewards += [e.reward for e in eps]
+            n_tok += sum(e.n_sampled for e in eps)
+            adv, _ = group_advantages(eps, drop_flat=a.dynamic_sampling)
+            kept += [(e, adv[i]) for i, e in enumerate(eps) if i in adv]
+            have = all_reduce_sum(torch.tensor(float(len(kept) // a.group))).item()
+            if have >= prompts or not a.dynamic_sampling:
+                break
+        t_gen = time.time() - t_step
+        reward = gather_mean(rewards)
+        kept = kept[: per_rank * a.group]
+        n_kept = int(all_reduce_sum(torch.tensor(float(len(kept)))).item())
+        # ---- train: one update on the kept groups
+        policy.train()
+        if n_kept:
+            loss, clip_frac = train_on(policy, opt, [e for e, _ in kept], grpo_token_loss, a, a.temperature,
+                                       adv=[v for _, v in kept], ref_model=ref_model)
+            push_weights(backend, policy)
+        else:
+            loss, clip_frac = 0.0, 0.0
+        dt = time.time() - t_step
+        el = time.time() - t0
+        tok_s = all_reduce_sum(torch.tensor(float(n_tok))).item() / max(t_gen, 1e-9)
+        print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
+               f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
+               f"{el:.0f}s elapsed, ETA {el / (step - start) * (steps - step):.0f}s")
+        if a.save_every and step % a.save_every == 0 and step < steps:
+            save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos))
+
+
+def run_stage(i, domain, parent, a, device):
+    """RFT (agentic domains) + GRPO + save + evaluate; returns the stage's checkpoint directory."""
+    from envs import make_env
+    out = stage_dir(a, i, domain)
+    name = os.path.relpath(out, a.runs)
+    t0 = time.time()
+    env = make_env(domain, **a.env_opts.get(domain, {}))
+    policy, tok = load_policy(parent, a, device)
+    seed_all(a.seed + i)
+    ref_model = None
+    if a.kl_coef > 0:   # the stage's starting weights, frozen
+        ref_model, _ = load_policy(parent, argparse.Namespace(attn=a.attn, grad_ckpt=False), device)
+        ref_model.eval().requires_grad_(False)
+    policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    if ref_model is not None:
+        ref_model = shard(ref_model, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    backend, engine = make_backend(a, policy, tok, parent, device)
+    n_rft, t_rft = None, 0.0
+    rft_dir = out + "-rft"
+    if domain in AGENTIC and a.rft_prompts_by_domain[domain] > 0:
+        if read_meta(rft_dir).get("recipe") == recipe(a, domain):
+            print0(f"[{name}] rft: done before, loading {rft_dir}")
+            policy, tok = load_policy(rft_dir, a, device)
+            policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+            backend, engine = make_backend(a, policy, tok, rft_dir, device)
+            n_rft = read_meta(rft_dir).get("rft_kept")
+        else:
+            t1 = time.time()
+            tasks = env.tasks("train", seed=a.seed)
+            tasks = [tasks[j] for j in Cursor(len(tasks), a.seed + 1).take(a.rft_prompts_by_domain[domain])]
+            n_rft = rft(policy, tok, backend, env, tasks, a, name)
+            t_rft = time.time() - t1
+            save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft",
+                                                                    seconds=round(t_rft, 1)))
+    steps = a.steps_by_domain[domain]
+    resume_path = os.path.join(os.path.dirname(out), f".resume-{os.path.basename(out)}.pt")
+    grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model)
+    seconds = time.time() - t0
+    save(policy, tok, out, a, domain, i, parent, dict(rft_kept=n_rft, rft_seconds=round(t_rft, 1),
+                                                      seconds=round(seconds, 1)))
+    if rank() == 0 and os.path.exists(resume_path):
+        os.remove(resume_path)
+    if a.eval_n:
+        evaluate_stage(engine if engine is not None else policy, tok, out, a, seconds)
+    del policy, engine, backend, ref_model
+    return out
+
+
+def save(policy, tok, out, a, domain, i, parent, extra):
+    sd = full_state_dict(policy)
+    if rank() == 0:
+        meta = dict(method="oracle" if a.oracle else "seq", stage=domain, parent=os.path.abspath(parent),
+                    curriculum=a.curriculum, curriculum_position=i, step=a.steps_by_domain[domain], seed=a.seed,
+                    recipe=recipe(a, domain), config=vars(a) | dict(env_opts=a.env_opts), **extra)
+        save_checkpoint(out, policy, tok, meta, state_dict=sd)
+        print0(f"saved {out}")
+
+
+def evaluate_stage(model, tok, out, a, seconds):
+    """Score every domain (each domain's test and ood split on the tiny suite; every benchmark on the full
+    one) on rank 0 and write runs/<preset>/eval/<name>.json, the record evaluate.py writes."""
+    from evaluate import evaluate_model, save_results
+    name = os.path.relpath(out, a.runs)
+    if rank() == 0:
+        t0 = time.time()
+        suite = "tiny" if a.preset == "tiny" else "full"
+        res = evaluate_model(model, tok, suite=suite, n=a.eval_n or None, seeds=1, batch=a.gen_batch,
+                             max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens, env_opts=a.env_opts,
+                             label=f"[{name}] eval ")
+        record = dict(ckpt=out, suite=suite, settings=dict(n=a.eval_n, seeds=1, temperature=1.0), benchmarks=res,
+                      wall_s=round(time.time() - t0, 1), stage_seconds=round(seconds, 1))
+        save_results(os.path.join(a.runs, "eval", name.replace(os.sep, "-") + ".json"), record)
+        cells = " | ".join(f"{k} {v['mean']:.3f}" for k, v in res.items())
+        print0(f"[{name}] eval ({time.time() - t0:.0f}s; stage took {seconds:.0f}s): {cells}")
+
+
+# ----------------------------------------------------------------------------- command line
+
+def get_args(argv=None):
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    preset = PRESETS[pre.parse_known_args(argv)[0].preset]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
+    p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
+    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    p.add_argument("--curriculum", default="math,search,ecommerce,if", help="domains in training order")
+    p.add_argument("--oracle", action="store_true", help="train each curriculum domain alone from --init "
+                                                          "-> runs/<preset>/oracle/<domain>")
+    p.add_argument("--steps", default=preset["steps"], help="GRPO steps per stage: N, or domain=N,...")
+    p.add_argument("--prompts", default=preset["prompts"], help="prompts per GRPO step (global): N, or domain=N,...")
+    p.add_argument("--group", type=int, default=preset["group"], help="GRPO group size G (samples per prompt)")
+    p.add_argument("--lr", type=float, default=preset["lr"], help="GRPO learning rate (AdamW, constant)")
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1 (ratio >= 1 - clip_low)")
+    p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (DAPO clip-higher)")
+    p.add_argument("--agg", default="token", choices=["token", "seq"], help="loss aggregation: token-mean "
+                                                                            "(DAPO) or sequence-mean (GRPO)")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the stage's start (0 = off)")
+    p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the sampler/trainer importance weight")
+    p.add_argument("--no-dynamic-sampling", dest="dynamic_sampling", action="store_false",
+                   help="keep groups whose rewards are all equal (they get zero advantage)")
+    p.add_argument("--max-gen-rounds", type=int, default=3, help="dynamic sampling: most prompt batches per step")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
+    p.add_argument("--max-tokens", type=int, default=preset["max_tokens"], help="token limit per episode")
+    p.add_argument("--max-turn-tokens", type=int, default=preset["max_turn_tokens"], help="token limit per turn")
+    p.add_argument("--micro-batch", type=int, default=preset["micro_batch"], help="sequences per forward pass")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    p.add_argument("--rft-prompts", default=preset["rft_prompts"],
+                   help="RFT cold start of agentic stages: train prompts to sample (0 = no RFT): N or domain=N,...")
+    p.add_argument("--rft-samples", type=int, default=preset["rft_samples"], help="RFT samples per prompt")
+    p.add_argument("--rft-epochs", type=int, default=preset["rft_epochs"], help="RFT SFT epochs")
+    p.add_argument("--rft-lr", type=float, default=preset["rft_lr"], help="RFT SFT learning rate")
+    p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
+                                                                        "evaluation (0 = skip)")
+    p.add_argument("--save-every", type=int, default=10, help="GRPO steps between resume states (0 = never)")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="rollout engine")
+    p.add_argument("--gen-batch", type=int, default=preset["gen_batch"], help="sequences per generate call")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=preset["bf16"],
+                   help="bf16 compute under FSDP2 (MixedPrecisionPolicy)")
+    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=preset["grad_ckpt"],
+                   help="activation checkpointing")
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
+    p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, flash_attention_2, eager)")
+    p.add_argument("--math-data", default=None, help="math train prompts: HF dataset id or local file")
+    p.add_argument("--search-corpus", default=None, help="search: wiki-18 style JSONL corpus")
+    p.add_argument("--retriever-url", default=None, help="search: Search-R1 style retrieval server URL")
+    p.add_argument("--search-data", default=None, help="search: train QA data (FlashRAG format)")
+    p.add_argument("--tau-data", default=None, help="ecommerce: tau-bench / tau2 retail data directory")
+    p.add_argument("--user-url", default=None, help="ecommerce: OpenAI-compatible endpoint of the user LLM")
+    p.add_argument("--if-data", default=None, help="if: train prompts (IFEval-format JSONL)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+def check_args(a):
+    """Every bad input stops here, before anything is loaded or written. Returns a with resolved fields."""
+    from envs import EnvError, parse_domains
+    try:
+        a.curriculum = list(parse_domains(a.curriculum))
+    except EnvError as e:
+        raise ValueError(str(e)) from None
+    a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
+    a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
+    a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, a.curriculum)
+    checks = [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
+              (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"), (a.lr > 0, "--lr must be > 0"),
+              (all(v >= 0 for v in a.steps_by_domain.values()), "--steps must be >= 0"),
+              (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
+              (a.kl_coef >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
+              (a.temperature > 0, "--temperature must be > 0 for RL"), (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"),
+              (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.max_tokens > a.max_turn_tokens > 0,
+                                                                   "need --max-tokens > --max-turn-tokens > 0"),
+              (min(a.rft_prompts_by_domain.values()) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
+               "need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0"),
+              (a.eval_n is None or a.eval_n >= 0, "--eval-n must be >= 0"), (a.save_every >= 0, "--save-every >= 0"),
+              (all(v % world_size() == 0 for v in a.prompts_by_domain.values()),
+               f"--prompts must be divisible by the world size {world_size()}")]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    local = os.path.sep in a.init or a.init.startswith(".") or a.init.startswith("runs")
+    if local and not os.path.isfile(os.path.join(a.init, "config.json")):
+        raise ValueError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
+    a.runs = a.runs or os.path.join("runs", a.preset)
+    a.env_opts = {k: v for k, v in dict(
+        math=dict(data=a.math_data), search=dict(corpus=a.search_corpus, retriever_url=a.retriever_url,
+                                                 data=a.search_data),
+        ecommerce=dict(data=a.tau_data, user_url=a.user_url), **{"if": dict(data=a.if_data)}).items()}
+    a.env_opts = {d: {k: v for k, v in o.items() if v is not None} for d, o in a.env_opts.items()}
+    return a
+
+
+def main(argv=None):
+    a = get_args(argv)
+    try:
+        a = check_args(a)
+        # a finished stage trained with another recipe: refuse rather than mix two runs in one directory
+        for i, d in enumerate(a.curriculum, 1):
+            meta = read_meta(stage_dir(a, i, d))
+            if meta and meta.get("recipe") != recipe(a, d):
+                raise ValueError(f"{stage_dir(a, i, d)} was trained with another recipe; use another --runs "
+                                 f"or delete it")
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = init_dist()
+    print0(f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from {a.init}, "
+           f"{world_size()} process(es)\nresolved config: {vars(a)}")
+    parent, t0 = a.init, time.time()
+    try:
+        for i, domain in enumerate(a.curriculum, 1):
+            out = stage_dir(a, i, domain)
+            if read_meta(out).get("recipe") == recipe(a, domain):
+                print0(f"[{os.path.relpath(out, a.runs)}] finished before, skipping")
+            else:
+                run_stage(i, domain, a.init if a.oracle else parent, a, device)
+            parent = out
+    except FloatingPointError as e:
+        sys.exit(f"error: {e}; the last good checkpoint is {parent}")
+    print0(f"done in {time.time() - t0:.0f}s")
+    teardown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
