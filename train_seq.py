@@ -63,8 +63,9 @@ from common import (
 # the four oracles into a few minutes per stage on 2 CPU cores; per-domain steps because an ecommerce
 # episode costs ~5x a math one.
 PRESETS = {
-    "tiny": dict(init="runs/tiny/base", steps="math=40,search=30,ecommerce=20,if=30", prompts=16, group=8,
-                 lr=5e-4, max_tokens=1024, max_turn_tokens=256, micro_batch=64, rft_prompts=256, rft_samples=4,
+    "tiny": dict(init="runs/tiny/base", steps="math=60,search=10,ecommerce=8,if=30",
+                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=5e-4, max_tokens=1024,
+                 max_turn_tokens=256, micro_batch=64, rft_prompts="search=256,ecommerce=64", rft_samples=4,
                  rft_epochs=2, rft_lr=1e-3, eval_n=100, bf16=False, grad_ckpt=False, gen_batch=128),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
                      group=8, lr=1e-6, max_tokens=8192, max_turn_tokens=2048, micro_batch=4, rft_prompts=2048,
@@ -296,7 +297,7 @@ def recipe(a, domain: str) -> dict:
     keys = ("group", "lr", "clip_low", "clip_high", "agg", "kl_coef", "temperature", "max_tokens",
             "max_turn_tokens", "rft_samples", "rft_epochs", "rft_lr", "seed")
     return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
-                rft_prompts=a.rft_prompts_by_domain[domain] if domain in AGENTIC else 0)
+                rft_prompts=a.rft_prompts_by_domain.get(domain, 0) if domain in AGENTIC else 0)
 
 
 def rollouts(backend, tok, env, tasks, n, a, seed):
@@ -419,7 +420,7 @@ def run_stage(i, domain, parent, a, device):
     backend, engine = make_backend(a, policy, tok, parent, device)
     n_rft, t_rft = None, 0.0
     rft_dir = out + "-rft"
-    if domain in AGENTIC and a.rft_prompts_by_domain[domain] > 0:
+    if domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0:
         if read_meta(rft_dir).get("recipe") == recipe(a, domain):
             print0(f"[{name}] rft: done before, loading {rft_dir}")
             policy, tok = load_policy(rft_dir, a, device)
@@ -544,7 +545,7 @@ def check_args(a):
         raise ValueError(str(e)) from None
     a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
     a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
-    a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, a.curriculum)
+    a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
     checks = [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
               (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"), (a.lr > 0, "--lr must be > 0"),
               (all(v >= 0 for v in a.steps_by_domain.values()), "--steps must be >= 0"),
