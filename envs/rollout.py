@@ -51,8 +51,9 @@ class Episode:
 
 
 class HFBackend:
-    """transformers `generate`: batched (left-padded), KV cache, multinomial sampling from the full
-    distribution (top_k=0, top_p=1), stopping at any of stop_ids, with per-token sampling log-probs."""
+    """A transformers model behind a short decode loop: batched (left-padded, positions from the mask),
+    KV cache, one prefill per distinct prompt, multinomial sampling from the full distribution (no top-k,
+    no top-p), stopping at any of stop_ids, with per-token sampling log-probs. Greedy when temperature is 0."""
 
     def __init__(self, model, tokenizer, max_batch: int = 64):
         self.model, self.tok, self.max_batch = model, tokenizer, max_batch
@@ -60,7 +61,8 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, stop_ids):
         out = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
+        # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), prompts[i]))
         for s in range(0, len(order), self.max_batch):
             idx = order[s: s + self.max_batch]
             for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, temperature, stop_ids)):
@@ -76,31 +78,61 @@ class HFBackend:
             params[name].copy_(t)
 
     def _generate_batch(self, prompts, max_new_tokens, temperature, stop_ids):
+        """The decode loop, written out rather than model.generate: each distinct prompt is prefilled once
+        and its KV cache copied to its samples, rows leave the batch (and the cache) as soon as they hit a
+        stop token, and only the sampled token's log-prob is kept."""
+        from transformers import DynamicCache
+        dev = next(self.model.parameters()).device
+        uniq, row_of = [], {}
+        src = []                                                       # prompt i -> its row among uniq
+        for p in prompts:
+            key = tuple(p)
+            if key not in row_of:
+                row_of[key] = len(uniq)
+                uniq.append(p)
+            src.append(row_of[key])
         pad = self.tok.pad_token_id
-        T = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), T), pad, dtype=torch.long)   # (B, T) left-padded
-        attn = torch.zeros((len(prompts), T), dtype=torch.long)       # (B, T)
-        for i, p in enumerate(prompts):
+        T = max(len(p) for p in uniq)
+        ids = torch.full((len(uniq), T), pad, dtype=torch.long)        # (U, T) left-padded
+        attn = torch.zeros((len(uniq), T), dtype=torch.long)            # (U, T)
+        for i, p in enumerate(uniq):
             ids[i, T - len(p):] = torch.tensor(p)
             attn[i, T - len(p):] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (U, T) positions ignore the padding
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]             # (U, V)
+        rows = torch.tensor(src, device=dev)                            # (B,) live row -> uniq row
+        if len(uniq) != len(prompts) or src != list(range(len(src))):
+            cache.batch_select_indices(rows)
+        logits, attn, pos = logits[rows], attn[rows], pos[rows, -1]     # (B, V), (B, T), (B,)
+        live = torch.arange(len(prompts), device=dev)                   # (b,) which prompt each live row is
+        toks = [[] for _ in prompts]
+        lps = [[] for _ in prompts]
+        stopped = [False] * len(prompts)
+        stops = torch.tensor(list(stop_ids), device=dev)
         greedy = temperature <= 0
-        dev = next(self.model.parameters()).device
-        res = self.model.generate(
-            input_ids=ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens, do_sample=not greedy,
-            temperature=None if greedy else temperature, top_k=None if greedy else 0, top_p=None if greedy else 1.0,
-            eos_token_id=list(stop_ids), pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
-        new = res.sequences[:, T:].cpu()                               # (B, N)
-        # scores are the processed logits (divided by the temperature): their log-softmax at the chosen
-        # token is the log-prob under the distribution that was actually sampled from.
-        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in res.scores], 1)  # (B, N, V)
-        tok_logp = logp.gather(-1, new.to(logp.device).unsqueeze(-1)).squeeze(-1).cpu()   # (B, N)
-        stops = torch.tensor(list(stop_ids))
-        gens = []
-        for i in range(len(prompts)):
-            hit = torch.isin(new[i], stops).nonzero()
-            n = int(hit[0]) + 1 if len(hit) else new.size(1)
-            gens.append(Generation(new[i, :n].tolist(), tok_logp[i, :n].tolist(), bool(len(hit))))
-        return gens
+        for step in range(max_new_tokens):
+            logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), -1)     # (b, V)
+            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1).squeeze(-1)  # (b,)
+            nxt_lp = logp.gather(-1, nxt[:, None]).squeeze(-1)                                # (b,)
+            done = torch.isin(nxt, stops)
+            for i, t, lp, d in zip(live.tolist(), nxt.tolist(), nxt_lp.tolist(), done.tolist()):
+                toks[i].append(t)
+                lps[i].append(lp)
+                stopped[i] = d
+            keep = ~done
+            if step == max_new_tokens - 1 or not keep.any():
+                break
+            if not keep.all():   # finished rows leave the batch and the cache
+                cache.batch_select_indices(keep.nonzero().squeeze(-1))
+                live, nxt, attn, pos = live[keep], nxt[keep], attn[keep], pos[keep]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (b, T + step + 1)
+            pos = pos + 1
+            logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], cache=cache,
+                                use_cache=True).logits[:, -1]
+        return [Generation(t, lp, st) for t, lp, st in zip(toks, lps, stopped)]
 
 
 class ChatML:

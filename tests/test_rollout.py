@@ -110,3 +110,19 @@ def test_hf_rollout_end_to_end_masks(micro):
         text = masked_text(tok, ep).replace("<|im_end|>", "")
         assert text == "".join(assistant)
         assert ep.n_sampled > 0 and all(lp <= 0 for lp in ep.logprobs)
+
+
+def test_hf_backend_greedy_matches_transformers_generate(micro):
+    """The hand-written decode loop (shared prefills, rows leaving the batch) = model.generate, greedily."""
+    model, tok = micro
+    stop = [tok.convert_tokens_to_ids("<|im_end|>")]
+    prompts = [tok("What is 12+7?")["input_ids"], tok("Tomas")["input_ids"], tok("What is 12+7?")["input_ids"],
+               tok("<answer>Brimsk")["input_ids"]]
+    gens = HFBackend(model, tok, max_batch=3).generate(prompts, 12, 0.0, stop)
+    for p, g in zip(prompts, gens):
+        ref = model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, eos_token_id=stop, pad_token_id=tok.pad_token_id)
+        want = ref[0, len(p):].tolist()
+        assert g.token_ids == want[: len(g.token_ids)] and len(g.token_ids) == len(want)
+        assert g.stopped == (want[-1] in stop)
+    assert gens[0].token_ids == gens[2].token_ids
