@@ -41,12 +41,21 @@ def init_dist():
     return device
 
 
-def teardown():
-    """Barrier, then destroy the process group (gloo aborts at exit without the barrier)."""
+def teardown(exit_now: bool = True):
+    """Barrier, then destroy the process group (gloo aborts at exit without the barrier). Under torchrun
+    the process then exits at once (status 0): on CPU, gloo's worker threads can still abort a finished
+    rank during interpreter shutdown ("terminate called without an active exception", about 1 run in 4
+    after an FSDP2 update), which would fail a run whose work is all done and saved."""
+    import sys
+
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        if exit_now:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def shard(model, bf16: bool = False, cpu_offload: bool = False):

@@ -77,31 +77,62 @@ AGENTIC = ("search", "ecommerce")
 
 # ----------------------------------------------------------------------------- the losses
 
-def pack(episodes, pad_id: int):
-    """Right-padded training tensors. Position t of the (T-1)-long tensors predicts token t+1.
-    -> ids (B, T), attn (B, T), mask (B, T-1): 1 where the policy sampled token t+1,
-       sampler_logp (B, T-1): the sampling log-prob of token t+1."""
-    T = max(len(e.token_ids) for e in episodes)
-    ids = torch.full((len(episodes), T), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(episodes), T), dtype=torch.long)
-    mask = torch.zeros((len(episodes), T), dtype=torch.float)
-    slp = torch.zeros((len(episodes), T), dtype=torch.float)
+def pack(episodes, pad_id: int) -> dict:
+    """Training tensors with every distinct prompt once (a GRPO group shares one). The prompt (the tokens
+    before the policy's first turn) is left-padded, the rest of the episode (the completion: policy turns,
+    tool results, user replies) right-padded after it.
+    -> p_ids, p_attn (U, Tp); rows (B,): each episode's prompt row; c_ids, c_attn (B, Tc);
+       mask (B, Tc): 1 on the policy's sampled tokens; slp (B, Tc): their sampling log-probs."""
+    prompts, rows = {}, []
+    for e in episodes:
+        rows.append(prompts.setdefault(tuple(e.token_ids[: e.prompt_len]), len(prompts)))
+    Tp = max(len(p) for p in prompts)
+    Tc = max(1, max(len(e.token_ids) - e.prompt_len for e in episodes))
+    p_ids = torch.full((len(prompts), Tp), pad_id, dtype=torch.long)
+    p_attn = torch.zeros((len(prompts), Tp), dtype=torch.long)
+    for p, u in prompts.items():
+        p_ids[u, Tp - len(p):] = torch.tensor(p, dtype=torch.long)
+        p_attn[u, Tp - len(p):] = 1
+    c_ids = torch.full((len(episodes), Tc), pad_id, dtype=torch.long)
+    c_attn = torch.zeros((len(episodes), Tc), dtype=torch.long)
+    mask = torch.zeros((len(episodes), Tc))
+    slp = torch.zeros((len(episodes), Tc))
     for i, e in enumerate(episodes):
-        n = len(e.token_ids)
-        ids[i, :n] = torch.tensor(e.token_ids)
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(e.loss_mask, dtype=torch.float)
-        slp[i, :n] = torch.tensor(e.logprobs, dtype=torch.float)
-    return ids, attn, mask[:, 1:], slp[:, 1:]
+        n = len(e.token_ids) - e.prompt_len
+        if n > 0:
+            c_ids[i, :n] = torch.tensor(e.token_ids[e.prompt_len:])
+            c_attn[i, :n] = 1
+            mask[i, :n] = torch.tensor(e.loss_mask[e.prompt_len:], dtype=torch.float)
+            slp[i, :n] = torch.tensor(e.logprobs[e.prompt_len:], dtype=torch.float)
+    return dict(p_ids=p_ids, p_attn=p_attn, rows=torch.tensor(rows), c_ids=c_ids, c_attn=c_attn, mask=mask, slp=slp)
 
 
-def token_logprobs(model, ids, attn, temperature: float = 1.0):
-    """(B, T-1) log-prob of each next token; logits divided by the sampling temperature so the trainer
-    and the sampler score the same distribution."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()   # (B, T-1, V)
+def token_logprobs(model, b: dict, temperature: float = 1.0):
+    """(B, Tc) log-prob of every completion token, logits divided by the sampling temperature so trainer
+    and sampler score the same distribution. Each distinct prompt runs once and its KV cache is shared by
+    its samples (the gradients of all of them flow back into it); under activation checkpointing, which
+    has no cache, prompt and completion run as one sequence."""
+    p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
+    Tp = p_ids.size(1)
+    if getattr(model, "is_activation_checkpointing", False):
+        ids, attn = torch.cat([p_ids[rows], c_ids], 1), torch.cat([p_attn[rows], c_attn], 1)   # (B, Tp + Tc)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, Tp - 1: -1]
+    else:
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        p_pos = (p_attn.cumsum(-1) - 1).clamp(min=0)                                          # (U, Tp)
+        last = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, cache=cache, use_cache=True,
+                     logits_to_keep=1).logits[:, -1]                                          # (U, V)
+        cache.batch_select_indices(rows)                                                      # U -> B rows
+        attn = torch.cat([p_attn[rows], c_attn], 1)                                           # (B, Tp + Tc)
+        pos = p_attn.sum(-1)[rows, None] + torch.arange(c_ids.size(1), device=c_ids.device)   # (B, Tc)
+        out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits
+        logits = torch.cat([last[rows, None], out[:, :-1]], 1)          # (B, Tc, V): t predicts c_ids[:, t]
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), c_ids, reduction="none")
 
 
 def grpo_token_loss(logp, old_logp, sampler_logp, adv, ref_logp, a):
@@ -124,17 +155,44 @@ def sft_token_loss(logp, old_logp, sampler_logp, adv, ref_logp, a):
     return -logp
 
 
+def micro_batches(episodes, size: int) -> list:
+    """Index lists of at most `size` episodes; a group's samples (same prompt) sit together, so they
+    share one prompt pass, and similar lengths sit together, so there is little padding."""
+    order = sorted(range(len(episodes)), key=lambda i: (episodes[i].prompt_len, episodes[i].token_ids[: episodes[i].prompt_len],
+                                                        len(episodes[i].token_ids)))
+    return [order[s: s + size] for s in range(0, len(order), size)]
+
+
+def to_device(b: dict, dev) -> dict:
+    return {k: v.to(dev) for k, v in b.items()}
+
+
+@torch.no_grad()
+def old_logprobs(model, episodes, a, temperature=1.0) -> list:
+    """The trainer's log-probs of every episode's completion tokens under the current weights, before
+    the first of several updates on one batch (--minibatches > 1): the PPO ratio's denominator."""
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    dev = next(model.parameters()).device
+    out = [None] * len(episodes)
+    for idx in micro_batches(episodes, a.micro_batch):
+        lp = token_logprobs(model, to_device(pack([episodes[i] for i in idx], pad), dev), temperature).cpu()
+        for j, i in enumerate(idx):
+            out[i] = lp[j, : max(1, len(episodes[i].token_ids) - episodes[i].prompt_len)]
+    return out
+
+
 def train_on(model, opt, episodes, token_loss, a, temperature=1.0, adv=None, ref_model=None, old=None):
     """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of
     a.micro_batch sequences. The loss is normalised by the *global* number of loss tokens (token-mean) or
     sequences (seq-mean), and multiplied by the world size because FSDP averages gradients over ranks:
     N ranks give the same update as one process on the whole batch. Returns (loss, clip_frac) over the
-    global batch. `old`: the trainer's log-probs per episode before this update, or None when this is
-    the first update on the batch (then they equal the current log-probs, detached)."""
+    global batch. `old`: old_logprobs() of the episodes, or None when this is the first update on the
+    batch (then the old log-probs equal the current ones, detached)."""
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].token_ids))   # less padding
-    micro = [order[s: s + a.micro_batch] for s in range(0, len(order), a.micro_batch)]
-    # every rank must run the same number of forward/backward passes (FSDP collectives): pad with empty ones
+    dev = next(model.parameters()).device
+    micro = micro_batches(episodes, a.micro_batch)
+    # every rank must run the same number of forward/backward passes (FSDP collectives): pad with
+    # zero-weight passes (on one of this rank's episodes, or on a stand-in when it has none)
     n_micro = int(all_reduce_max(len(micro)))
     n_tok = all_reduce_sum(torch.tensor(float(sum(sum(e.loss_mask) for e in episodes)))).item()
     n_seq = all_reduce_sum(torch.tensor(float(len(episodes)))).item()
@@ -142,30 +200,26 @@ def train_on(model, opt, episodes, token_loss, a, temperature=1.0, adv=None, ref
     total, clipped = torch.zeros(()), torch.zeros(())
     opt.zero_grad(set_to_none=True)
     for m in range(n_micro):
-        idx = micro[m] if m < len(micro) else micro[0][:1] if micro else []
         dummy = m >= len(micro)
-        if not idx:  # this rank has no episodes at all: a zero-weight pass on a one-token sequence
-            ids, attn, mask, slp = torch.tensor([[pad, pad]]), torch.ones(1, 2, dtype=torch.long), torch.zeros(1, 1), \
-                torch.zeros(1, 1)
-            dummy = True
+        idx = micro[m] if not dummy else micro[0][:1] if micro else []
+        if idx:
+            b = to_device(pack([episodes[i] for i in idx], pad), dev)
         else:
-            ids, attn, mask, slp = pack([episodes[i] for i in idx], pad)
-        dev = next(model.parameters()).device
-        ids, attn, mask, slp = ids.to(dev), attn.to(dev), mask.to(dev), slp.to(dev)
-        logp = token_logprobs(model, ids, attn, temperature)                           # (b, T-1)
+            from envs.rollout import Episode
+            b = to_device(pack([Episode("-", "-", "-", 0, [pad, pad], [0, 0], [0.0, 0.0], 1)], pad), dev)
+        logp = token_logprobs(model, b, temperature)                                    # (b, Tc)
+        mask = b["mask"] * (0.0 if dummy else 1.0)                                      # (b, Tc)
         if old is None or dummy:
             old_lp = logp.detach()
         else:
-            old_lp = torch.nn.utils.rnn.pad_sequence([old[i] for i in idx], batch_first=True)[:, : logp.size(1)]
-        A = torch.zeros(len(ids), 1, device=dev) if adv is None or dummy else \
-            torch.tensor([[adv[i]] for i in idx], dtype=torch.float, device=dev)       # (b, 1)
+            old_lp = torch.nn.utils.rnn.pad_sequence([old[i] for i in idx], batch_first=True).to(dev)
+        A = torch.zeros(len(logp), 1, device=dev) if adv is None or dummy else \
+            torch.tensor([[adv[i]] for i in idx], dtype=torch.float, device=dev)        # (b, 1)
         ref_lp = None
-        if ref_model is not None and not dummy:
+        if ref_model is not None:
             with torch.no_grad():
-                ref_lp = token_logprobs(ref_model, ids, attn, temperature)
-        per_tok = token_loss(logp, old_lp, slp, A, ref_lp, a)                          # (b, T-1)
-        if dummy:
-            mask = torch.zeros_like(mask)
+                ref_lp = token_logprobs(ref_model, b, temperature)
+        per_tok = token_loss(logp, old_lp, b["slp"], A, ref_lp, a)                      # (b, Tc)
         if a.agg == "token":
             loss = (per_tok * mask).sum() / denom
         else:
@@ -294,7 +348,7 @@ def stage_dir(a, i: int, domain: str) -> str:
 
 def recipe(a, domain: str) -> dict:
     """The settings a finished stage must match to be skipped on a rerun."""
-    keys = ("group", "lr", "clip_low", "clip_high", "agg", "kl_coef", "temperature", "max_tokens",
+    keys = ("group", "lr", "minibatches", "clip_low", "clip_high", "agg", "kl_coef", "temperature", "max_tokens",
             "max_turn_tokens", "rft_samples", "rft_epochs", "rft_lr", "seed")
     return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
                 rft_prompts=a.rft_prompts_by_domain.get(domain, 0) if domain in AGENTIC else 0)
@@ -385,12 +439,19 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
         n_kept = int(all_reduce_sum(torch.tensor(float(len(kept)))).item())
         # ---- train: one update on the kept groups
         policy.train()
+        loss, clip_frac = 0.0, 0.0
         if n_kept:
-            loss, clip_frac = train_on(policy, opt, [e for e, _ in kept], grpo_token_loss, a, a.temperature,
-                                       adv=[v for _, v in kept], ref_model=ref_model)
+            eps, advs = [e for e, _ in kept], [v for _, v in kept]
+            # one update per batch by default; with --minibatches k, k updates on k slices of it, the later
+            # ones off-policy: the PPO ratio against the pre-update log-probs is what the clip bounds
+            old = old_logprobs(policy, eps, a, a.temperature) if a.minibatches > 1 else None
+            per = math.ceil(len(eps) / a.group / a.minibatches) * a.group
+            for k in range(a.minibatches):
+                sl = slice(k * per, (k + 1) * per)
+                lo, cf = train_on(policy, opt, eps[sl], grpo_token_loss, a, a.temperature, adv=advs[sl],
+                                  ref_model=ref_model, old=old[sl] if old else None)
+                loss, clip_frac = loss + lo / a.minibatches, clip_frac + cf / a.minibatches
             push_weights(backend, policy)
-        else:
-            loss, clip_frac = 0.0, 0.0
         dt = time.time() - t_step
         el = time.time() - t0
         tok_s = all_reduce_sum(torch.tensor(float(n_tok))).item() / max(t_gen, 1e-9)
@@ -498,6 +559,8 @@ def get_args(argv=None):
     p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (DAPO clip-higher)")
     p.add_argument("--agg", default="token", choices=["token", "seq"], help="loss aggregation: token-mean "
                                                                             "(DAPO) or sequence-mean (GRPO)")
+    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per rollout batch (PPO-style "
+                                                                  "minibatches; >1 makes the clip active)")
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the stage's start (0 = off)")
     p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the sampler/trainer importance weight")
     p.add_argument("--no-dynamic-sampling", dest="dynamic_sampling", action="store_false",
@@ -552,9 +615,9 @@ def check_args(a):
               (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
               (a.kl_coef >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
               (a.temperature > 0, "--temperature must be > 0 for RL"), (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"),
-              (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.max_tokens > a.max_turn_tokens > 0,
+              (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"), (a.max_tokens > a.max_turn_tokens > 0,
                                                                    "need --max-tokens > --max-turn-tokens > 0"),
-              (min(a.rft_prompts_by_domain.values()) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
+              (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
                "need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0"),
               (a.eval_n is None or a.eval_n >= 0, "--eval-n must be >= 0"), (a.save_every >= 0, "--save-every >= 0"),
               (all(v % world_size() == 0 for v in a.prompts_by_domain.values()),

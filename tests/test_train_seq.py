@@ -219,3 +219,35 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, mon
     assert "non-finite loss" in str(e.value.code) and "seq/1-math" in str(e.value.code)
     assert os.path.isfile(os.path.join(runs, "seq", "1-math", "acl_meta.json"))
     assert not os.path.exists(os.path.join(runs, "seq", "2-search"))
+
+
+def test_torchrun_two_ranks_end_to_end(micro_base, tmp_path):
+    """The whole stage under torchrun on 2 CPU ranks: FSDP2 policy, an hf engine per rank refreshed by
+    the weight push, RFT, GRPO, the checkpoint gathered to rank 0, the evaluation on rank 0."""
+    runs = str(tmp_path / "runs")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(ROOT, "train_seq.py"), "--init", micro_base, "--runs", runs, "--curriculum",
+                        "search", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 process(es)" in r.stdout and "[seq/1-search] step 2/2" in r.stdout
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(os.path.join(runs, "seq", "1-search"))
+    assert os.path.isfile(os.path.join(runs, "eval", "seq-1-search.json"))
+
+
+def test_weight_push_copies_every_parameter(micro):
+    """push_weights: the engine's model ends up equal to the policy (here, two separate micro models)."""
+    import copy
+
+    from envs.rollout import HFBackend
+    policy, tok = micro
+    engine = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in engine.parameters():
+            p.add_(1.0)
+    backend = HFBackend(engine, tok)
+    train_seq.push_weights(backend, policy)
+    for (n, p), (_, q) in zip(policy.named_parameters(), engine.named_parameters()):
+        assert torch.equal(p, q), n
+    train_seq.push_weights(HFBackend(policy, tok), policy)   # the engine is the policy: nothing to do
