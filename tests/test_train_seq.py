@@ -251,3 +251,37 @@ def test_weight_push_copies_every_parameter(micro):
     for (n, p), (_, q) in zip(policy.named_parameters(), engine.named_parameters()):
         assert torch.equal(p, q), n
     train_seq.push_weights(HFBackend(policy, tok), policy)   # the engine is the policy: nothing to do
+
+
+def test_prompt_shared_logprobs_equal_full_sequence_teacher_forcing():
+    """token_logprobs (one prompt pass per group, cache shared by its samples) = log-probs of each whole
+    episode run alone, on every completion token."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, intermediate_size=64, tie_word_embeddings=True, max_position_embeddings=64,
+                      pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).eval()
+    eps = _fixed_episodes()
+    for i in range(1, len(eps), 2):   # groups of two: the odd episode takes its even neighbour's prompt
+        eps[i].token_ids, eps[i].prompt_len = (eps[i - 1].token_ids[: eps[i - 1].prompt_len]
+                                               + eps[i].token_ids[eps[i].prompt_len:]), eps[i - 1].prompt_len
+        eps[i].loss_mask = [0] * eps[i].prompt_len + [1] * (len(eps[i].token_ids) - eps[i].prompt_len)
+        eps[i].logprobs = [0.0] * len(eps[i].token_ids)
+    b = train_seq.pack(eps, 0)
+    assert b["p_ids"].size(0) == len(eps) // 2                     # one prompt row per group
+    with torch.no_grad():
+        lp = train_seq.token_logprobs(model, b)
+        for j, e in enumerate(eps):
+            ids = torch.tensor([e.token_ids])
+            ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            n = len(e.token_ids) - e.prompt_len
+            torch.testing.assert_close(lp[j, :n], ref[e.prompt_len - 1:], rtol=1e-4, atol=1e-5)
+
+
+def test_rft_keeps_only_well_formed_tool_use():
+    good = Episode("t", "search", "train", 0, [1], [1], [0.0], 0, reward=1.0,
+                   messages=[{"role": "assistant", "content": '<tool_call>{"name": "search", "arguments": {}}</tool_call>'}])
+    bad = Episode("t", "search", "train", 1, [1], [1], [0.0], 0, reward=1.0,
+                  messages=[{"role": "assistant", "content": '<tool_call>{"name": "search", "argu</tool_call>'}])
+    assert train_seq.well_formed(good) and not train_seq.well_formed(bad)
