@@ -436,7 +436,9 @@ class SearchEnv(Env):
             for question, answer, path, attrs in rng.sample(questions, min(per_world, n - w, len(questions))):
                 task = self._task("train", f"demo-{w}", question, [answer], path=path, attrs=attrs)
                 subject = path[0]
-                kind = rng.choice(["guess", "attribute", "name"]) if rng.random() < noise else "right"
+                # wrong demos guess or copy the wrong value; they never search for another name: a base that
+                # sees queries that differ from the question's name learns not to copy it (measured: 0% EM)
+                kind = rng.choice(["guess", "attribute"]) if rng.random() < noise else "right"
                 if kind == "guess":  # answers without searching: a random name
                     turns, answer = [], rng.choice(names[rng.choice(["city", "org", "country"])])
                 else:
