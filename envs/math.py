@@ -190,6 +190,36 @@ def _wrong(value: int, rng: random.Random) -> int:
             return wrong
 
 
+def working(a: int, op: str, b: int, slip: random.Random | None = None) -> tuple:
+    """Column-by-column working of a+b, a-b (a >= b) or a*b (b one digit), right to left, and its result:
+    "7+5=12 so 2; 3+4+1=8 so 82". Each step is one single-digit fact (which train problems cover, even when
+    the whole problem is a test one) and then the answer so far, one digit longer: every step copies from
+    just before it. With `slip`, one step's result is off by one and the error carries on (a wrong answer
+    with consistent working). -> (text, answer as int)."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    cols = len(da) if op == "*" else max(len(da), len(db))
+    bad = slip.randrange(cols) if slip else -1
+    steps, so_far, carry = [], "", 0
+    for i in range(cols):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if op != "*" and i < len(db) else int(b) if op == "*" else 0
+        if op == "-":
+            need = 10 if x - y - carry < 0 else 0
+            r = need + x - y - carry
+            r = (r + 1) % 10 if i == bad else r
+            fact = f"{need + x}-{y}" + (f"-{carry}" if carry else "") + f"={r}"
+            digit, carry = r, need // 10
+        else:
+            r = x + y + carry if op == "+" else x * y + carry
+            r = r + 1 if i == bad else r
+            fact = (f"{x}+{y}" if op == "+" else f"{x}*{y}") + (f"+{carry}" if carry else "") + f"={r}"
+            digit, carry = r % 10, r // 10
+        last = i == cols - 1
+        so_far = (str(r) if last and op != "-" else str(digit)) + so_far
+        steps.append(f"{fact} so {so_far}")
+    return "; ".join(steps), int(so_far)
+
+
 def _tiny_task(split: str, i: int, seed: int, expr: str, value: int) -> Task:
     return Task(id=f"math-{split}-{seed}-{i}", env="math", split=split,
                 messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {expr}?"}],
@@ -315,16 +345,18 @@ class MathEnv(Env):
         return acc, {"acc": acc, "boxed": boxed}
 
     def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
-        """[system, user, assistant] conversations from the train split; the assistant writes the working
-        and the boxed answer, e.g. "37+45=82. \\boxed{82}"; a `noise` fraction gets a plausible wrong answer."""
+        """[system, user, assistant] conversations from the train split. The assistant works column by
+        column (see working()), then boxes the answer, e.g. "37+45: 7+5=12 so 2; 3+4+1=8 so 82. \\boxed{82}";
+        a `noise` fraction slips once (one column's sum off by one), carried through to a wrong answer."""
         rng = random.Random(f"math-demos-{seed}")
         out = []
         for _ in range(n):
             expr, value = _in_domain(rng, "train")
-            shown = _wrong(value, rng) if rng.random() < noise else value
+            a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", expr).groups()
+            text, shown = working(int(a), op, int(b), rng if rng.random() < noise else None)
             out.append({"messages": [{"role": "system", "content": SYSTEM},
                                      {"role": "user", "content": f"What is {expr}?"},
-                                     {"role": "assistant", "content": f"{expr}={shown}. \\boxed{{{shown}}}"}],
+                                     {"role": "assistant", "content": f"{expr}: {text}. \\boxed{{{shown}}}"}],
                         "tools": None})
         return out
 

@@ -205,56 +205,79 @@ TWO_HOP_QS = [  # (question, subject kind, first attribute, second attribute)
     ("In which country is {} based?", "org", "hq", "country")]
 
 
-def build_world(seed: int, facts=None) -> dict:
-    """name -> entity dict {"name", "kind", "pool", attributes...}; every name unique in the world.
-    Names come from `seed`; the facts (birthplaces, employers, ...) from `facts` when given, so demos can
-    draw many worlds with the same names and different facts (see SearchEnv.demos)."""
-    rng = random.Random(f"search-world:{seed}")
-    used = set()
+def name_parts() -> dict:
+    """kind -> (stems, endings): the parts every world's names are made of, the same in every world."""
+    rng = random.Random("search-name-parts")
+    seen = set()
 
-    def word(syllables: int, suffix: str = "") -> str:
+    def word() -> str:
         while True:
-            w = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables))
-            w = (w + suffix).capitalize()
-            if w not in used and len(w) >= 4:
-                used.add(w)
+            w = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(2)).capitalize()
+            if w not in seen and len(w) >= 4:
+                seen.add(w)
                 return w
 
-    # Person names combine a first and a last name from small shared pools: every full name is unique,
-    # but its parts are frequent words the tokenizer learns as few tokens. A ~1M base then copies the
-    # name into its query (measured: it did not learn to copy long names of rare pieces in 3,000 steps).
-    people = [f + " " + ln for f in [word(2) for _ in range(40)] for ln in [word(2) for _ in range(120)]]
-    rng.shuffle(people)
-    names = {}
-    for pool, (n_people, n_cities, n_orgs, n_countries) in POOLS.items():
-        names[pool] = ([word(2, rng.choice(["ia", "land", "or"])) for _ in range(n_countries)],
-                       [word(rng.choice([1, 2]), rng.choice(["sk", "holm", "ton", "ra"])) for _ in range(n_cities)],
-                       [word(2) + " " + rng.choice(ORG_KINDS) for _ in range(n_orgs)],
-                       [people.pop() for _ in range(n_people)])
-    frng = rng if facts is None else random.Random(f"search-facts:{seed}:{facts}")
+    return {"person": ([word() for _ in range(60)], [" " + word() for _ in range(150)]),
+            "city": ([word() for _ in range(200)], ["sk", "holm", "ton", "ra"]),
+            "org": ([word() for _ in range(200)], [" " + k for k in ORG_KINDS]),
+            "country": ([word() for _ in range(100)], ["ia", "land", "or"])}
+
+
+# Every name is a stem and an ending from these small shared pools ("Tomas" + " Velder", "Brak" + "holm"):
+# a world's names are new combinations of frequent parts, which the tokenizer learns as few tokens. A ~1M
+# base learns to copy a combination of known parts into its query and out of a passage; names of rare
+# syllables it did not learn to copy at all (measured: 0% EM on search, queries with made-up names).
+# Room: 9,000 people, 800 cities, 800 organisations, 300 countries; a world takes 3,450/270/270/60.
+NAME_PARTS = name_parts()
+
+
+def build_world(seed, avoid=frozenset()) -> dict:
+    """name -> entity dict {"name", "kind", "pool", attributes...}; every name unique in the world and
+    none in `avoid`. `seed` (an int, or a string for the demos' worlds) fixes the names and the facts."""
+    rng = random.Random(f"search-world:{seed}")
+    used = set(avoid)
+
+    def names(kind: str, n: int) -> list:
+        stems, endings = NAME_PARTS[kind]
+        out = []
+        while len(out) < n:
+            name = rng.choice(stems) + rng.choice(endings)
+            if name not in used:
+                used.add(name)
+                out.append(name)
+        return out
+
+    pools = {pool: (names("country", c), names("city", ci), names("org", o), names("person", p))
+             for pool, (p, ci, o, c) in POOLS.items()}
     world = {}
-    for pool, (countries, cities, orgs, persons) in names.items():
-        cities = frng.sample(cities, len(cities))  # which city is in which country, and which is the capital
+    for pool, (countries, cities, orgs, persons) in pools.items():
+        cities = rng.sample(cities, len(cities))  # which city is in which country, and which is the capital
         for i, city in enumerate(cities):  # every country gets cities; its first one is the capital
             world[city] = {"name": city, "kind": "city", "pool": pool, "country": countries[i % len(countries)]}
         for i, country in enumerate(countries):
             world[country] = {"name": country, "kind": "country", "pool": pool, "capital": cities[i]}
         for org in orgs:
-            world[org] = {"name": org, "kind": "org", "pool": pool, "founded": str(frng.randint(1850, 2019)),
-                          "hq": frng.choice(cities)}
+            world[org] = {"name": org, "kind": "org", "pool": pool, "founded": str(rng.randint(1850, 2019)),
+                          "hq": rng.choice(cities)}
         for person in persons:
-            world[person] = {"name": person, "kind": "person", "pool": pool, "born": frng.choice(cities),
-                             "employer": frng.choice(orgs)}
+            world[person] = {"name": person, "kind": "person", "pool": pool, "born": rng.choice(cities),
+                             "employer": rng.choice(orgs)}
     return world
+
+
+# How a passage states each attribute.
+PHRASES = {"born": "born in", "employer": "works for", "country": "a city in", "founded": "founded in",
+           "hq": "based in", "capital": "capital is"}
 
 
 def passage(e: dict) -> str:
     """One entity's wiki-18 style contents: '"Name"\\nshort text'. A country names itself again so that
     its own passage, not its capital's, ranks first for its name."""
-    text = {"person": lambda: f"born in {e['born']}, works for {e['employer']}.",
-            "city": lambda: f"a city in {e['country']}.",
-            "org": lambda: f"founded in {e['founded']}, based in {e['hq']}.",
-            "country": lambda: f"a country; {e['name']}'s capital is {e['capital']}."}[e["kind"]]()
+    p = {k: f"{v} {e[k]}" for k, v in PHRASES.items() if k in e}
+    text = {"person": lambda: f"{p['born']}, {p['employer']}.",
+            "city": lambda: f"{p['country']}.",
+            "org": lambda: f"{p['founded']}, {p['hq']}.",
+            "country": lambda: f"a country; {e['name']}'s {p['capital']}."}[e["kind"]]()
     return f'"{e["name"]}"\n{text}'
 
 
@@ -279,16 +302,19 @@ class SearchEnv(Env):
     """Multi-turn QA with a `search` tool. Tiny world by default; real data when `data` is given."""
     domain = "search"
 
-    def __init__(self, topk: int = 3, max_turns: int | None = None, corpus: str | None = None,
+    def __init__(self, topk: int | None = None, max_turns: int | None = None, corpus: str | None = None,
                  retriever_url: str | None = None, data: str | None = None, seed: int = 0,
                  timeout: float = 30.0):
-        if topk < 1:
+        if topk is not None and topk < 1:
             raise EnvError(f"topk must be >= 1, got {topk}")
         if corpus and retriever_url:
             raise EnvError("give either corpus or retriever_url, not both")
-        self.topk, self.seed, self.timeout = topk, seed, timeout
+        self.seed, self.timeout = seed, timeout
         self.data, self.retriever_url = data, retriever_url
         self.full = bool(data or corpus or retriever_url)
+        # Top-3 at full scale (Search-R1); top-1 in the tiny world, where a name's own passage always ranks
+        # first and the two others were look-alikes (shared name parts) the ~1M base copied from.
+        self.topk = topk or (3 if self.full else 1)
         self.max_turns = max_turns or (5 if self.full else 4)
         if self.full and not (corpus or retriever_url):
             raise EnvError("real search data needs a retriever: pass corpus=<wiki-18 JSONL> or retriever_url=<URL>")
@@ -414,21 +440,25 @@ class SearchEnv(Env):
     # -- demonstrations for the tiny base
 
     def demos(self, n: int, seed: int = 0, noise: float = 0.5, per_world: int = 100) -> list:
-        """Search, read, answer conversations on train questions; a `noise` fraction is wrong: a guess
-        without searching, the wrong attribute copied, or a search for the wrong name.
+        """Search, read, answer conversations on single-hop questions; a `noise` fraction is wrong: a guess
+        without searching, or another value of the passage copied.
 
-        Every `per_world` demos use a world with the train split's names but freshly drawn facts (and
-        its own BM25 index): a base that memorises facts is then wrong, and it must learn to read the
-        search results. With one fixed world a ~1M base memorised the train facts (47% on train) and
-        answered 0% of test questions, whose entities it had never seen."""
+        Every `per_world` demos come from a fresh world, new names and new facts (and its own BM25 index),
+        and no demo mentions a name of this env's val, test or ood sub-worlds. A base can then neither
+        memorise a fact nor a name: it must copy the name into its query and the answer out of the result.
+        Measured: with one fixed world a ~1M base memorised the train facts (47% on train, 0% on test); with
+        the train names fixed and only the facts redrawn, it wrote a memorised train name into the query
+        and never answered a test question (whose names it had not seen)."""
         if self.full:
             raise EnvError("search demos exist only for the tiny world")
         rng = random.Random(f"search-demos:{seed}")
+        held_out = frozenset(e["name"] for e in self.world.values() if e["pool"] != "train")
         out = []
         for w in range(0, n, per_world):
-            world = build_world(self.seed, facts=f"{seed}:{w}")
+            key = f"{self.seed}:demos:{seed}:{w}"  # the world's seed: build_world(key, held_out) rebuilds it
+            world = build_world(key, held_out)
             index = BM25Index([passage(e) for e in world.values()])
-            names = {}  # kind -> train names, for wrong guesses and wrong searches
+            names = {}  # kind -> train names, for wrong guesses
             for e in world.values():
                 if e["pool"] == "train":
                     names.setdefault(e["kind"], []).append(e["name"])
@@ -442,14 +472,11 @@ class SearchEnv(Env):
                 if kind == "guess":  # answers without searching: a random name
                     turns, answer = [], rng.choice(names[rng.choice(["city", "org", "country"])])
                 else:
-                    if kind == "name":  # searches someone else of the same kind, answers from that passage
-                        subject = rng.choice(names[world[subject]["kind"]])
-                        answer = world[subject][attrs[0]]
-                    elif kind == "attribute":  # copies another value of the passage (a city has one: any country)
-                        values = [v for k, v in world[subject].items() if k not in ("name", "kind", "pool", attrs[0])]
+                    if kind == "attribute":  # copies another value of the passage (a city has one: any country)
+                        values = [v for k, v in world[subject].items() if k in PHRASES and k != attrs[0]]
                         answer = rng.choice(values or names["country"])
                     turns = [{"role": "assistant", "content": tool_call_text("search", {"query": subject})},
                              tool_message("search", format_passages(index.search(subject, self.topk)))]
                 out.append({"messages": task.messages + turns + [{"role": "assistant", "content": f"<answer>{answer}</answer>"}],
-                            "tools": task.tools, "world": f"{seed}:{w}"})  # build_world(self.seed, facts=...)
+                            "tools": task.tools, "world": key})
         return out

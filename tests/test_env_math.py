@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from envs import make_env
 from envs.base import EnvError, Task
-from envs.math import BENCHMARKS, MathEnv, grade, last_boxed, problem_key, split_of
+from envs.math import BENCHMARKS, MathEnv, grade, last_boxed, problem_key, split_of, working
 
 
 def run(env, task, text, truncated=False):
@@ -218,7 +218,8 @@ def test_demos_format_noise_and_train_only(env):
     for d in clean:
         expr = re.fullmatch(r"What is (.+)\?", d["messages"][1]["content"]).group(1)
         gold = {"kind": "exact", "answer": str(value_of(expr))}
-        assert d["messages"][2]["content"] == f"{expr}={gold['answer']}. \\boxed{{{gold['answer']}}}"
+        a, op, b = _parts(expr)
+        assert d["messages"][2]["content"] == f"{expr}: {working(a, op, b)[0]}. \\boxed{{{gold['answer']}}}"
         assert key(expr) not in test_keys and split_of(*_parts(key(expr))) == "train"
     noisy = env.demos(400, seed=0, noise=0.5)
     wrong = 0
@@ -391,3 +392,18 @@ def test_math_verify_grading_works_off_the_main_thread():
     gold = {"kind": "math_verify", "answer": "\\frac{1}{2}"}
     with ThreadPoolExecutor(2) as pool:
         assert list(pool.map(lambda t: grade(t, gold), ["\\boxed{0.5}", "\\boxed{2}"])) == [1.0, 0.0]
+
+
+def test_working_is_right_column_by_column_and_a_slip_is_wrong():
+    import random
+    assert working(37, "+", 45) == ("7+5=12 so 2; 3+4+1=8 so 82", 82)
+    assert working(105, "-", 98) == ("15-8=7 so 7; 10-9-1=0 so 07; 1-0-1=0 so 007", 7)
+    assert working(47, "*", 6) == ("7*6=42 so 2; 4*6+4=28 so 282", 282)
+    rng = random.Random(0)
+    for _ in range(3000):
+        op = rng.choice("+-*")
+        a, b = rng.randint(0, 999), rng.randint(0, 9 if op == "*" else 999)
+        a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)
+        want = a + b if op == "+" else a - b if op == "-" else a * b
+        assert working(a, op, b)[1] == want
+        assert working(a, op, b, random.Random(rng.random()))[1] != want
