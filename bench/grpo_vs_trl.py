@@ -33,8 +33,9 @@ Where the two sides are not identical (plainly):
    trains on every completion too), so both sides train on all P*G sequences; train_seq's default would
    drop them (less training) or draw more prompts (more generation).
 3. Ours stops a turn at <|im_end|> or </tool_call> (the env's stop tokens), TRL at <|im_end|> only; ours
-   also records the sampling log-probs (for its truncated importance weight) and computes logits over the
-   whole sequence, TRL only over the completion.
+   also records the sampling log-probs (for its truncated importance weight). Both compute logits over the
+   completion only; ours runs each distinct prompt once per forward (generation and training) and shares
+   its KV cache among the group's samples, TRL runs prompt + completion for every sample.
 4. The two sides run one after the other on a shared machine, so background load can move the ratio; the
    load average before each side is printed.
 
