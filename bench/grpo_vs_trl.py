@@ -39,18 +39,18 @@ Where the two sides are not identical (plainly):
 4. The two sides run one after the other on a shared machine, so background load can move the ratio; the
    load average before each side is printed.
 
-Measured on 2026-11-29, 2-core CPU shared with another job (load average ~2.7), runs/tiny/base, --threads 1,
-`python bench/grpo_vs_trl.py` (16 prompts x 8 samples, <= 64 new tokens, 1 warm-up + 3 timed updates):
+Measured on 2026-11-30, 2-core CPU (idle, load average ~1), runs/tiny/base (math demos with column working,
+so completions often reach the 64-token limit on both sides), --threads 1, `python bench/grpo_vs_trl.py
+--repeats 10` (16 prompts x 8 samples, <= 64 new tokens, 1 warm-up + 10 timed updates):
     | side | gen s | train s | total s/update | tokens generated | longest completion | load avg before |
     |---|---|---|---|---|---|---|
-    | ours | 0.52 | 0.98 | 1.50 | 1920 | 51 | 2.66 |
-    | TRL | 0.42 | 1.15 | 1.57 | 1827 | 35 | 2.71 |
-    ratio ours/TRL: 0.95 (target <= 0.7) | gen 1.25 | train 0.85
-Same day: --repeats 10 gave 1.58 s vs 1.58 s (ratio 1.00); --repeats 6 --seed 1 gave 1.26 s vs 1.87 s (0.67).
-The ratio swings with luck: an update costs about its *longest* completion, because generate keeps every row
-running until the last one stops and training pads to it, and whichever side happens to sample a 64-token
-runaway (median completion: 14 tokens) pays about 2x for that update. Updates with similar longest completions
-cost ours about 0.75-0.8x TRL's. Use --repeats 10 or more for a steadier figure.
+    | ours | 0.57 | 1.15 | 1.71 | 4258 | 64 | 0.96 |
+    | TRL | 0.96 | 2.01 | 2.97 | 4120 | 64 | 0.97 |
+    ratio ours/TRL: 0.58 (target <= 0.7) | gen 0.59 | train 0.57
+Before prompt sharing and the own decode loop (2026-11-29, previous base, shorter completions): 1.50 s vs
+1.57 s (0.95). An update costs about its *longest* completion, because every row runs until the last one
+stops and training pads to it: with short completions whichever side samples a 64-token runaway pays about
+2x for that update, so use --repeats 10 or more for a steady figure.
 """
 import argparse
 import os
