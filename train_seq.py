@@ -60,17 +60,18 @@ from common import (
 )
 
 # Defaults per preset; every one is a flag. The tiny preset's numbers fit the whole sequential run plus
-# the four oracles into a few minutes per stage on 2 CPU cores; per-domain steps because an ecommerce
-# episode costs ~5x a math one.
+# the four oracles into 15 minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x
+# a math one; two generation rounds at most (dynamic sampling) because a flat step costs a round each.
 PRESETS = {
-    "tiny": dict(init="runs/tiny/base", steps="math=60,search=10,ecommerce=8,if=30",
+    "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=8,if=20",
                  prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=5e-4, max_tokens=1024,
                  max_turn_tokens=256, micro_batch=64, rft_prompts="search=256,ecommerce=64", rft_samples=4,
-                 rft_epochs=2, rft_lr=1e-3, eval_n=100, bf16=False, grad_ckpt=False, gen_batch=128),
+                 rft_epochs=2, rft_lr=1e-3, eval_n=50, bf16=False, grad_ckpt=False, gen_batch=128,
+                 max_gen_rounds=2),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
                      group=8, lr=1e-6, max_tokens=8192, max_turn_tokens=2048, micro_batch=4, rft_prompts=2048,
                      rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, bf16=True, grad_ckpt=True,
-                     gen_batch=256),
+                     gen_batch=256, max_gen_rounds=3),
 }
 AGENTIC = ("search", "ecommerce")
 
@@ -564,7 +565,8 @@ def get_args(argv=None):
     p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the sampler/trainer importance weight")
     p.add_argument("--no-dynamic-sampling", dest="dynamic_sampling", action="store_false",
                    help="keep groups whose rewards are all equal (they get zero advantage)")
-    p.add_argument("--max-gen-rounds", type=int, default=3, help="dynamic sampling: most prompt batches per step")
+    p.add_argument("--max-gen-rounds", type=int, default=preset["max_gen_rounds"],
+                   help="dynamic sampling: most prompt batches per step")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
     p.add_argument("--max-tokens", type=int, default=preset["max_tokens"], help="token limit per episode")
     p.add_argument("--max-turn-tokens", type=int, default=preset["max_turn_tokens"], help="token limit per turn")
