@@ -22,11 +22,11 @@ fi
 
 # 1. the base: BPE tokenizer + ~1M-parameter Qwen3 pre-trained on the worlds' text and noisy demos (~6.5 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
-# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~10 min)
+# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
 $RUN train_seq.py --preset "$ARENA"
-# 3. the four single-task oracles, each one stage from the base (~13 min)
+# 3. the four single-task oracles, each one stage from the base (~7 min)
 $RUN train_seq.py --preset "$ARENA" --oracle
 # 4. evaluation at 300 tasks per split: the base, every stage, every oracle; the accuracy matrix with
-#    forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~15 min: 9 checkpoints x ~100 s)
+#    forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~16 min: 9 checkpoints x ~100 s)
 python evaluate.py --suite "$SUITE" --ckpt "$RUNS/base" "$RUNS"/seq/[0-9]-{math,search,ecommerce,if} \
     "$RUNS"/oracle/{math,search,ecommerce,if} | tee "$RUNS/scores.md"
