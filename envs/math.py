@@ -176,20 +176,6 @@ def _ood(rng: random.Random) -> tuple:
             return text, value
 
 
-def _wrong(value: int, rng: random.Random) -> int:
-    """A plausible mistake: off by a little, or one digit changed."""
-    while True:
-        if rng.random() < 0.5:
-            wrong = value + rng.choice((-10, -2, -1, 1, 2, 10))
-        else:
-            digits = list(str(value))
-            k = rng.randrange(len(digits))
-            digits[k] = rng.choice("0123456789" if k or len(digits) == 1 else "123456789")
-            wrong = int("".join(digits))
-        if wrong != value and wrong >= 0:
-            return wrong
-
-
 def working(a: int, op: str, b: int, slip: random.Random | None = None) -> tuple:
     """Column-by-column working of a+b, a-b (a >= b) or a*b (b one digit), right to left, and its result:
     "7+5=12 so 2; 3+4+1=8 so 82". Each step is one single-digit fact (which train problems cover, even when

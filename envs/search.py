@@ -225,8 +225,8 @@ def name_parts() -> dict:
 
 # Every name is a stem and an ending from these small shared pools ("Tomas" + " Velder", "Brak" + "holm"):
 # a world's names are new combinations of frequent parts, which the tokenizer learns as few tokens. A ~1M
-# base learns to copy a combination of known parts into its query and out of a passage; names of rare
-# syllables it did not learn to copy at all (measured: 0% EM on search, queries with made-up names).
+# base then copies part of the unseen test names into its query; names of rare syllables it did not copy
+# at all (queries with made-up names). Copying the answer out of a passage it still barely learns (README).
 # Room: 9,000 people, 800 cities, 800 organisations, 300 countries; a world takes 3,450/270/270/60.
 NAME_PARTS = name_parts()
 
@@ -265,19 +265,13 @@ def build_world(seed, avoid=frozenset()) -> dict:
     return world
 
 
-# How a passage states each attribute.
-PHRASES = {"born": "born in", "employer": "works for", "country": "a city in", "founded": "founded in",
-           "hq": "based in", "capital": "capital is"}
-
-
 def passage(e: dict) -> str:
     """One entity's wiki-18 style contents: '"Name"\\nshort text'. A country names itself again so that
     its own passage, not its capital's, ranks first for its name."""
-    p = {k: f"{v} {e[k]}" for k, v in PHRASES.items() if k in e}
-    text = {"person": lambda: f"{p['born']}, {p['employer']}.",
-            "city": lambda: f"{p['country']}.",
-            "org": lambda: f"{p['founded']}, {p['hq']}.",
-            "country": lambda: f"a country; {e['name']}'s {p['capital']}."}[e["kind"]]()
+    text = {"person": lambda: f"born in {e['born']}, works for {e['employer']}.",
+            "city": lambda: f"a city in {e['country']}.",
+            "org": lambda: f"founded in {e['founded']}, based in {e['hq']}.",
+            "country": lambda: f"a country; {e['name']}'s capital is {e['capital']}."}[e["kind"]]()
     return f'"{e["name"]}"\n{text}'
 
 
@@ -313,7 +307,7 @@ class SearchEnv(Env):
         self.data, self.retriever_url = data, retriever_url
         self.full = bool(data or corpus or retriever_url)
         # Top-3 at full scale (Search-R1); top-1 in the tiny world, where a name's own passage always ranks
-        # first and the two others were look-alikes (shared name parts) the ~1M base copied from.
+        # first and the two others are look-alikes (shared name parts): 1.5% vs 0% EM in a search-only base.
         self.topk = topk or (3 if self.full else 1)
         self.max_turns = max_turns or (5 if self.full else 4)
         if self.full and not (corpus or retriever_url):
@@ -473,7 +467,7 @@ class SearchEnv(Env):
                     turns, answer = [], rng.choice(names[rng.choice(["city", "org", "country"])])
                 else:
                     if kind == "attribute":  # copies another value of the passage (a city has one: any country)
-                        values = [v for k, v in world[subject].items() if k in PHRASES and k != attrs[0]]
+                        values = [v for k, v in world[subject].items() if k not in ("name", "kind", "pool", attrs[0])]
                         answer = rng.choice(values or names["country"])
                     turns = [{"role": "assistant", "content": tool_call_text("search", {"query": subject})},
                              tool_message("search", format_passages(index.search(subject, self.topk)))]
