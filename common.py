@@ -1,5 +1,7 @@
 """Plumbing shared by every script, and nothing else: torchrun init/teardown, FSDP2 wrapping, gathering
-a full state dict on rank 0, checkpoints written atomically with their acl_meta.json, seeding, print0.
+a full state dict on rank 0, checkpoints written atomically with their acl_meta.json, seeding, print0;
+for the training scripts: loading a policy, its rollout backend and the weight push into it, collectives,
+and the prompt cursor.
 
 Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs; without it, it is a
 single process and every collective below is a no-op.
@@ -197,3 +199,72 @@ def read_meta(ckpt_dir: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+# ----------------------------------------------------------------------------- shared by the training scripts
+
+def to_device(b: dict, dev) -> dict:
+    return {k: v.to(dev) for k, v in b.items()}
+
+
+def all_reduce_max(x: float) -> float:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([float(x)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gather_mean(values) -> float:
+    """Mean of a list of floats over all ranks' lists."""
+    s = all_reduce_sum(torch.tensor([float(sum(values)), float(len(values))], dtype=torch.float64))
+    return (s[0] / s[1].clamp(min=1)).item()
+
+
+class Cursor:
+    """Walks a seeded shuffle of the train prompts, epoch after epoch; its position is saved on resume.
+    Every rank walks the same order and takes its own slice of each global batch."""
+
+    def __init__(self, n: int, seed: int, pos: int = 0):
+        self.n, self.seed, self.pos = n, seed, pos
+
+    def take(self, k: int) -> list:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.pos, self.n)
+            order = list(range(self.n))
+            random.Random(self.seed * 1000 + epoch).shuffle(order)
+            out.append(order[i])
+            self.pos += 1
+        return out
+
+
+def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False):
+    """(model, tokenizer) from a HF checkpoint, fp32 master weights (FSDP2's MixedPrecisionPolicy casts)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).to(device)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable()
+    return model, tok
+
+
+def make_backend(a, policy, tok, path, device):
+    """(backend, engine_model): what rollouts are sampled with. Single process + hf: the policy itself.
+    Under FSDP2 + hf: an unsharded copy on each rank, refreshed by push_weights after every update."""
+    if a.backend == "vllm":
+        from envs.rollout import VLLMBackend  # issue 6: the colocated engine
+        return VLLMBackend(path, tok, a), None
+    from envs.rollout import HFBackend
+    if world_size() == 1:
+        return HFBackend(policy, tok, a.gen_batch), policy
+    engine, _ = load_policy(path, device, a.attn)
+    return HFBackend(engine.eval(), tok, a.gen_batch), engine
+
+
+def push_weights(backend, policy):
+    """After an update: gather the policy's parameters one at a time and copy them into the engine
+    (a no-op when the engine is the policy itself)."""
+    if getattr(backend, "model", None) is not policy:
+        backend.load_weights(full_params(policy))

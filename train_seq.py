@@ -43,12 +43,17 @@ import time
 import torch
 
 from common import (
+    Cursor,
+    all_reduce_max,
     all_reduce_sum,
-    full_params,
     full_state_dict,
+    gather_mean,
     init_dist,
+    load_policy,
     load_train_state,
+    make_backend,
     print0,
+    push_weights,
     rank,
     read_meta,
     save_checkpoint,
@@ -56,6 +61,7 @@ from common import (
     seed_all,
     shard,
     teardown,
+    to_device,
     world_size,
 )
 
@@ -164,10 +170,6 @@ def micro_batches(episodes, size: int) -> list:
     return [order[s: s + size] for s in range(0, len(order), size)]
 
 
-def to_device(b: dict, dev) -> dict:
-    return {k: v.to(dev) for k, v in b.items()}
-
-
 @torch.no_grad()
 def old_logprobs(model, episodes, a, temperature=1.0) -> list:
     """The trainer's log-probs of every episode's completion tokens under the current weights, before
@@ -210,16 +212,12 @@ def train_on(model, opt, episodes, token_loss, a, temperature=1.0, adv=None, ref
             b = to_device(pack([Episode("-", "-", "-", 0, [pad, pad], [0, 0], [0.0, 0.0], 1)], pad), dev)
         logp = token_logprobs(model, b, temperature)                                    # (b, Tc)
         mask = b["mask"] * (0.0 if dummy else 1.0)                                      # (b, Tc)
-        if old is None or dummy:
-            old_lp = logp.detach()
-        else:
-            old_lp = torch.nn.utils.rnn.pad_sequence([old[i] for i in idx], batch_first=True).to(dev)
+        old_lp = logp.detach() if old is None or dummy else \
+            torch.nn.utils.rnn.pad_sequence([old[i] for i in idx], batch_first=True).to(dev)  # (b, Tc)
         A = torch.zeros(len(logp), 1, device=dev) if adv is None or dummy else \
             torch.tensor([[adv[i]] for i in idx], dtype=torch.float, device=dev)        # (b, 1)
-        ref_lp = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref_lp = token_logprobs(ref_model, b, temperature)
+        with torch.no_grad():
+            ref_lp = token_logprobs(ref_model, b, temperature) if ref_model is not None else None
         per_tok = token_loss(logp, old_lp, b["slp"], A, ref_lp, a)                      # (b, Tc)
         if a.agg == "token":
             loss = (per_tok * mask).sum() / denom
@@ -236,15 +234,6 @@ def train_on(model, opt, episodes, token_loss, a, temperature=1.0, adv=None, ref
     torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
     opt.step()
     return total, all_reduce_sum(clipped).item() / max(n_tok, 1.0)
-
-
-def all_reduce_max(x: float) -> float:
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([float(x)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def group_advantages(episodes, drop_flat: bool = True, eps: float = 1e-6):
@@ -268,17 +257,6 @@ def group_advantages(episodes, drop_flat: bool = True, eps: float = 1e-6):
     return adv, flat
 
 
-def well_formed(ep) -> bool:
-    """Every assistant turn that tries a tool call parses. (An episode cut at the turn limit after the
-    task was done still counts: its reward already says whether the database ended right.)"""
-    from envs.base import parse_tool_calls
-    for m in ep.messages:
-        if m.get("role") == "assistant" and "<tool_call>" in (m.get("content") or ""):
-            if parse_tool_calls(m["content"])[1]:
-                return False
-    return True
-
-
 # ----------------------------------------------------------------------------- the stage loop
 
 def per_domain(flag: str, text, domains) -> dict:
@@ -293,53 +271,6 @@ def per_domain(flag: str, text, domains) -> dict:
     if missing:
         raise ValueError(f"{flag} names no count for {', '.join(missing)}")
     return out
-
-
-class Cursor:
-    """Walks a seeded shuffle of the train prompts, epoch after epoch; its position is saved on resume.
-    Every rank walks the same order and takes its own slice of each global batch."""
-
-    def __init__(self, n: int, seed: int, pos: int = 0):
-        self.n, self.seed, self.pos = n, seed, pos
-
-    def take(self, k: int) -> list:
-        out = []
-        for _ in range(k):
-            epoch, i = divmod(self.pos, self.n)
-            order = list(range(self.n))
-            random.Random(self.seed * 1000 + epoch).shuffle(order)
-            out.append(order[i])
-            self.pos += 1
-        return out
-
-
-def load_policy(path: str, a, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=a.attn).to(device)
-    if a.grad_ckpt:
-        model.gradient_checkpointing_enable()
-    return model, tok
-
-
-def make_backend(a, policy, tok, path, device):
-    """(backend, engine_model): what rollouts are sampled with. Single process + hf: the policy itself.
-    Under FSDP2 + hf: an unsharded copy on each rank, refreshed by push_weights after every update."""
-    if a.backend == "vllm":
-        from envs.rollout import VLLMBackend  # issue 6: the colocated engine
-        return VLLMBackend(path, tok, a), None
-    from envs.rollout import HFBackend
-    if world_size() == 1:
-        return HFBackend(policy, tok, a.gen_batch), policy
-    engine, _ = load_policy(path, argparse.Namespace(attn=a.attn, grad_ckpt=False), device)
-    return HFBackend(engine.eval(), tok, a.gen_batch), engine
-
-
-def push_weights(backend, policy):
-    """After an update: gather the policy's parameters one at a time and copy them into the engine
-    (a no-op when the engine is the policy itself)."""
-    if getattr(backend, "model", None) is not policy:
-        backend.load_weights(full_params(policy))
 
 
 def stage_dir(a, i: int, domain: str) -> str:
@@ -360,14 +291,9 @@ def rollouts(backend, tok, env, tasks, n, a, seed):
                    max_turn_tokens=a.max_turn_tokens, seed=seed)
 
 
-def gather_mean(values) -> float:
-    """Mean of a list of floats over all ranks' lists."""
-    s = all_reduce_sum(torch.tensor([float(sum(values)), float(len(values))], dtype=torch.float64))
-    return (s[0] / s[1].clamp(min=1)).item()
-
-
 def rft(policy, tok, backend, env, tasks, a, stage_name):
     """Rejection-sampled fine-tuning: keep full-reward, well-formed, distinct rollouts; SFT on them."""
+    from envs.base import well_formed
     t0 = time.time()
     mine = tasks[rank()::world_size()]
     policy.eval()
@@ -375,7 +301,7 @@ def rft(policy, tok, backend, env, tasks, a, stage_name):
     seen, kept = set(), []
     for e in eps:
         key = (e.task_id, tuple(t for t, m in zip(e.token_ids, e.loss_mask) if m))
-        if e.reward >= 1.0 and well_formed(e) and key not in seen:
+        if e.reward >= 1.0 and well_formed(e.messages) and key not in seen:
             seen.add(key)
             kept.append(e)
     n_kept = int(all_reduce_sum(torch.tensor(float(len(kept)))).item())
@@ -469,11 +395,11 @@ def run_stage(i, domain, parent, a, device):
     name = os.path.relpath(out, a.runs)
     t0 = time.time()
     env = make_env(domain, **a.env_opts.get(domain, {}))
-    policy, tok = load_policy(parent, a, device)
+    policy, tok = load_policy(parent, device, a.attn, a.grad_ckpt)
     seed_all(a.seed + i)
     ref_model = None
     if a.kl_coef > 0:   # the stage's starting weights, frozen
-        ref_model, _ = load_policy(parent, argparse.Namespace(attn=a.attn, grad_ckpt=False), device)
+        ref_model, _ = load_policy(parent, device, a.attn)
         ref_model.eval().requires_grad_(False)
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     if ref_model is not None:
@@ -484,7 +410,7 @@ def run_stage(i, domain, parent, a, device):
     if domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0:
         if read_meta(rft_dir).get("recipe") == recipe(a, domain):
             print0(f"[{name}] rft: done before, loading {rft_dir}")
-            policy, tok = load_policy(rft_dir, a, device)
+            policy, tok = load_policy(rft_dir, device, a.attn, a.grad_ckpt)
             policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
             backend, engine = make_backend(a, policy, tok, rft_dir, device)
             n_rft = read_meta(rft_dir).get("rft_kept")
@@ -616,8 +542,8 @@ def check_args(a):
               (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
               (a.kl_coef >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
               (a.temperature > 0, "--temperature must be > 0 for RL"), (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"),
-              (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"), (a.max_tokens > a.max_turn_tokens > 0,
-                                                                   "need --max-tokens > --max-turn-tokens > 0"),
+              (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"),
+              (a.max_tokens > a.max_turn_tokens > 0, "need --max-tokens > --max-turn-tokens > 0"),
               (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
                "need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0"),
               (a.eval_n is None or a.eval_n >= 0, "--eval-n must be >= 0"), (a.save_every >= 0, "--save-every >= 0"),
@@ -630,11 +556,9 @@ def check_args(a):
     if local and not os.path.isfile(os.path.join(a.init, "config.json")):
         raise ValueError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
     a.runs = a.runs or os.path.join("runs", a.preset)
-    a.env_opts = {k: v for k, v in dict(
-        math=dict(data=a.math_data), search=dict(corpus=a.search_corpus, retriever_url=a.retriever_url,
-                                                 data=a.search_data),
-        ecommerce=dict(data=a.tau_data, user_url=a.user_url), **{"if": dict(data=a.if_data)}).items()}
-    a.env_opts = {d: {k: v for k, v in o.items() if v is not None} for d, o in a.env_opts.items()}
+    opts = dict(math=dict(data=a.math_data), search=dict(corpus=a.search_corpus, retriever_url=a.retriever_url,
+                data=a.search_data), ecommerce=dict(data=a.tau_data, user_url=a.user_url), **{"if": dict(data=a.if_data)})
+    a.env_opts = {d: {k: v for k, v in o.items() if v is not None} for d, o in opts.items()}
     return a
 
 

@@ -105,6 +105,13 @@ def parse_tool_calls(text: str) -> tuple:
     return calls, errors
 
 
+def well_formed(messages) -> bool:
+    """Every assistant turn that tries a tool call parses (RFT keeps only such episodes). An episode cut
+    at the turn limit after the task was done still counts: its reward says whether it ended right."""
+    return not any(parse_tool_calls(m["content"])[1] for m in messages
+                   if m.get("role") == "assistant" and "<tool_call>" in (m.get("content") or ""))
+
+
 def tool_call_text(name: str, arguments: dict) -> str:
     """The exact text the policy is expected to write for one call (used by demos and tests)."""
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "</tool_call>"

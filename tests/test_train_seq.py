@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_seq
+from envs.base import well_formed
 from envs.rollout import Episode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -284,4 +285,4 @@ def test_rft_keeps_only_well_formed_tool_use():
                    messages=[{"role": "assistant", "content": '<tool_call>{"name": "search", "arguments": {}}</tool_call>'}])
     bad = Episode("t", "search", "train", 1, [1], [1], [0.0], 0, reward=1.0,
                   messages=[{"role": "assistant", "content": '<tool_call>{"name": "search", "argu</tool_call>'}])
-    assert train_seq.well_formed(good) and not train_seq.well_formed(bad)
+    assert well_formed(good.messages) and not well_formed(bad.messages)
