@@ -66,6 +66,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_seq  # noqa: E402
+from common import Cursor  # noqa: E402
 from envs import make_env  # noqa: E402
 from envs.math import grade  # noqa: E402
 from envs.rollout import HFBackend, rollout  # noqa: E402
@@ -194,7 +195,7 @@ def main():
     path = checkpoint(b.ckpt, b.seed)
     env = make_env("math")
     train = env.tasks("train", seed=b.seed)
-    order = train_seq.Cursor(len(train), b.seed).take(b.prompts * (1 + b.repeats))
+    order = Cursor(len(train), b.seed).take(b.prompts * (1 + b.repeats))
     batches = [[train[j] for j in order[i: i + b.prompts]] for i in range(0, len(order), b.prompts)]
     print(f"trl {trl.__version__} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | {path} | "
           f"{b.prompts} prompts x {b.group} samples, <= {b.max_new_tokens} new tokens, micro-batch {a.micro_batch}, "
