@@ -4,6 +4,7 @@ noisy demonstrations from every domain, so the base is weak but not zero everywh
 
     python -m envs.tiny                                  # -> runs/tiny/base, a few minutes on 2 CPU cores
     python -m envs.tiny --out runs/tiny/base --steps 2000 --seed 0
+    python -m envs.tiny --out runs/tiny/base-mix --steps 3000 --mix search=5   # more steps on search demos
 
 Differences from the paper (which starts from Qwen3-8B-Base):
 1. The base is built here from scratch; its "pre-training" corpus is generic text from the worlds
@@ -140,19 +141,23 @@ def make_batches(rows, batch_tokens: int):
     return {g: [b for b in bs if b] for g, bs in groups.items()}
 
 
-def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int = 100):
-    """AdamW, warmup + cosine decay. Each step draws a group (a domain, or generic text) uniformly, then
-    one of its length-bucketed batches: a long multi-turn domain gets as many updates as a short one."""
+def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int = 100,
+             mix: dict | None = None):
+    """AdamW, warmup + cosine decay. Each step draws a group (a domain, or generic text) with weight
+    mix.get(group, 1), then one of its length-bucketed batches: a long multi-turn domain gets as many
+    updates as a short one."""
     rng = random.Random(seed)
     batches = make_batches(rows, batch_tokens)
     names = sorted(batches)
+    weights = [(mix or {}).get(g, 1.0) for g in names]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
     pad = model.config.pad_token_id
     model.train()
     t0, losses = time.time(), []
     for step in range(1, steps + 1):
-        batch = rng.choice(batches[rng.choice(names)])
+        group = rng.choices(names, weights)[0] if mix else rng.choice(names)  # (the same stream as before --mix)
+        batch = rng.choice(batches[group])
         T = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), T), pad, dtype=torch.long)      # (B, T), right-padded
         mask = torch.zeros((len(batch), T), dtype=torch.float)        # (B, T) loss mask
@@ -186,7 +191,8 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
 
 def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n_demos: int = 3000,
                noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
-               max_len: int = 2048, domains=None, threads: int | None = None, loss_on: str = "all"):
+               max_len: int = 2048, domains=None, threads: int | None = None, loss_on: str = "all",
+               mix: dict | None = None):
     """Build the tokenizer, the model and pre-train it; save a HF checkpoint at `out`. Returns out."""
     from transformers import Qwen3ForCausalLM
 
@@ -206,12 +212,12 @@ def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n
     model = Qwen3ForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3 {size}, {n_params / 1e6:.2f}M parameters", flush=True)
-    losses = pretrain(model, rows, steps, batch_tokens, lr, seed)
+    losses = pretrain(model, rows, steps, batch_tokens, lr, seed, mix=mix)
     elapsed = time.time() - t0
     meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed,
                 config=dict(size=size, steps=steps, n_demos=n_demos, noise=noise, vocab_size=vocab_size,
                             batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or []),
-                            loss_on=loss_on),
+                            loss_on=loss_on, mix=mix or {}),
                 n_params=n_params, corpus_tokens=n_tok, final_loss=sum(losses[-50:]) / len(losses[-50:]),
                 build_seconds=round(elapsed, 1))
     save_checkpoint(out, model, tok, meta)
@@ -233,6 +239,8 @@ def main():
     p.add_argument("--max-len", type=int, default=2048, help="longest sequence the model is built for")
     p.add_argument("--domains", default="math,search,ecommerce,if", help="domains whose demos enter the corpus")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--mix", default="", help="pre-training weight per group, e.g. search=4,math=2 (default 1 each, "
+                   "generic text included)")
     p.add_argument("--loss-on", default="all", choices=["all", "assistant"],
                    help="pre-training loss on every token of a conversation, or on assistant tokens only")
     a = p.parse_args()
@@ -241,10 +249,16 @@ def main():
         domains = parse_domains(a.domains)
         if a.steps < 1 or a.n_demos < 1 or not 0 <= a.noise <= 1 or a.lr <= 0 or a.vocab_size < 300:
             raise EnvError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
+        mix = {}
+        for item in filter(None, a.mix.split(",")):
+            group, _, w = item.partition("=")
+            if group.strip() not in [*domains, "generic"] or not w.replace(".", "", 1).isdigit() or float(w) <= 0:
+                raise EnvError(f"bad --mix item {item!r}: want group=weight > 0, group one of {', '.join(domains)}, generic")
+            mix[group.strip()] = float(w)
     except EnvError as e:
         sys.exit(f"error: {e}")
     build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
-               domains, a.threads, a.loss_on)
+               domains, a.threads, a.loss_on, mix)
 
 
 if __name__ == "__main__":

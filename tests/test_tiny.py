@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +43,8 @@ def test_build_base_end_to_end(tmp_path):
     (["--domains", "math,chess"], "unknown domain 'chess'"),
     (["--steps", "0"], "--steps"),
     (["--noise", "1.5"], "--noise"),
+    (["--mix", "search=0"], "bad --mix item 'search=0'"),
+    (["--mix", "chess=2"], "bad --mix item 'chess=2'"),
 ])
 def test_bad_flags_stop_before_writing(tmp_path, args, msg):
     out = tmp_path / "base"
@@ -49,3 +52,27 @@ def test_bad_flags_stop_before_writing(tmp_path, args, msg):
     assert r.returncode != 0
     assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
+
+
+def test_mix_weights_the_groups_a_step_draws():
+    """pretrain draws each step's group with weight --mix (1 for groups not named); no mix: uniform."""
+    import types
+
+    from envs.tiny import pretrain
+
+    class Recorder(torch.nn.Module):  # a stand-in model that records which group each step trained on
+        def __init__(self):
+            super().__init__()
+            self.emb, self.config, self.seen = torch.nn.Embedding(4, 4), types.SimpleNamespace(pad_token_id=0), []
+
+        def forward(self, input_ids, attention_mask):
+            self.seen.append(int(input_ids[0, 0]))
+            return types.SimpleNamespace(logits=self.emb(input_ids))
+
+    rows = [(g, [i] * 3, [1] * 3) for i, g in enumerate(("math", "search", "generic"), 1) for _ in range(4)]
+    share = {}
+    for mix in (None, {"search": 3.0}):
+        model = Recorder()
+        pretrain(model, rows, steps=1500, batch_tokens=3, lr=1e-3, seed=0, log_every=10_000, mix=mix)
+        share[bool(mix)] = model.seen.count(2) / len(model.seen)
+    assert abs(share[False] - 1 / 3) < 0.05 and abs(share[True] - 3 / 5) < 0.05, share
