@@ -144,6 +144,22 @@ def all_reduce_mean(x: float) -> float:
     return t.item() / dist.get_world_size()
 
 
+def all_reduce_max(x: float) -> float:
+    """Max of a Python float over ranks."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([float(x)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gather_mean(values) -> float:
+    """Mean of a list of floats over all ranks' lists."""
+    s = all_reduce_sum(torch.tensor([float(sum(values)), float(len(values))], dtype=torch.float64))
+    return (s[0] / s[1].clamp(min=1)).item()
+
+
 def print0(*args, **kwargs):
     if rank() == 0:
         print(*args, **kwargs, flush=True)
@@ -207,35 +223,22 @@ def to_device(b: dict, dev) -> dict:
     return {k: v.to(dev) for k, v in b.items()}
 
 
-def all_reduce_max(x: float) -> float:
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([float(x)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def gather_mean(values) -> float:
-    """Mean of a list of floats over all ranks' lists."""
-    s = all_reduce_sum(torch.tensor([float(sum(values)), float(len(values))], dtype=torch.float64))
-    return (s[0] / s[1].clamp(min=1)).item()
-
-
 class Cursor:
     """Walks a seeded shuffle of the train prompts, epoch after epoch; its position is saved on resume.
     Every rank walks the same order and takes its own slice of each global batch."""
 
     def __init__(self, n: int, seed: int, pos: int = 0):
         self.n, self.seed, self.pos = n, seed, pos
+        self._epoch, self._order = None, None
 
     def take(self, k: int) -> list:
         out = []
         for _ in range(k):
             epoch, i = divmod(self.pos, self.n)
-            order = list(range(self.n))
-            random.Random(self.seed * 1000 + epoch).shuffle(order)
-            out.append(order[i])
+            if epoch != self._epoch:  # one shuffle per epoch, not one per prompt taken
+                self._epoch, self._order = epoch, list(range(self.n))
+                random.Random(self.seed * 1000 + epoch).shuffle(self._order)
+            out.append(self._order[i])
             self.pos += 1
         return out
 
