@@ -188,7 +188,7 @@ def working(a: int, op: str, b: int, slip: random.Random | None = None) -> tuple
     steps, so_far, carry = [], "", 0
     for i in range(cols):
         x = int(da[i]) if i < len(da) else 0
-        y = int(db[i]) if op != "*" and i < len(db) else int(b) if op == "*" else 0
+        y = b if op == "*" else int(db[i]) if i < len(db) else 0
         if op == "-":
             need = 10 if x - y - carry < 0 else 0
             r = need + x - y - carry
@@ -337,7 +337,7 @@ class MathEnv(Env):
         rng = random.Random(f"math-demos-{seed}")
         out = []
         for _ in range(n):
-            expr, value = _in_domain(rng, "train")
+            expr, _ = _in_domain(rng, "train")
             a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", expr).groups()
             text, shown = working(int(a), op, int(b), rng if rng.random() < noise else None)
             out.append({"messages": [{"role": "system", "content": SYSTEM},
