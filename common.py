@@ -179,23 +179,16 @@ def code_revision() -> str:
         return "unknown"
 
 
-def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict | None = None):
-    """Write a Hugging Face checkpoint (safetensors + config + tokenizer) plus acl_meta.json into a
-    temporary sibling directory, then rename it into place: a half-written checkpoint never exists
-    under its final name. An existing checkpoint at out_dir is replaced only after the new one is whole.
-    For a sharded model pass state_dict=full_state_dict(model) and call this on rank 0 only."""
+def write_atomically(out_dir: str, write) -> str:
+    """Call write(tmp) on a temporary sibling directory, then rename it to out_dir: a half-written checkpoint
+    never exists under its final name, and an existing one is replaced only after the new one is whole."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-{os.getpid()}-{int(time.time() * 1000)}")
     os.makedirs(tmp)
     try:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        meta = dict(meta, code_revision=code_revision(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        with open(os.path.join(tmp, "acl_meta.json"), "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True, default=str)
+        write(tmp)
         old = None
         if os.path.exists(out_dir):
             old = tmp + ".old"
@@ -207,6 +200,24 @@ def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def write_meta(ckpt_dir: str, meta: dict):
+    """acl_meta.json of a checkpoint being written, stamped with the code revision and the time."""
+    meta = dict(meta, code_revision=code_revision(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    with open(os.path.join(ckpt_dir, "acl_meta.json"), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True, default=str)
+
+
+def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict | None = None):
+    """Write a Hugging Face checkpoint (safetensors + config + tokenizer) plus acl_meta.json, atomically
+    (write_atomically). For a sharded model pass state_dict=full_state_dict(model) and call this on rank 0 only."""
+    def write(tmp):
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_meta(tmp, meta)
+    return write_atomically(out_dir, write)
 
 
 def read_meta(ckpt_dir: str) -> dict:
