@@ -348,7 +348,10 @@ def main(argv=None):
     elif a.search == "uniform":
         weights = [1.0 / len(a.models)] * len(a.models)
     else:
-        weights, tried, oracle = search_weights(a, a.files)
+        try:
+            weights, tried, oracle = search_weights(a, a.files)
+        except EnvError as e:
+            sys.exit(f"error: {e}")
     config = {k: v for k, v in vars(a).items() if k != "files"}
     meta = dict(seed=a.seed, config=config, search=a.search, weights=weights, curriculum_position=None, step=None,
                 candidates=[dict(weights=list(w), scores=s, objective=o) for w, s, o in tried] if tried else None,
