@@ -26,7 +26,20 @@ fi
 $RUN train_seq.py --preset "$ARENA"
 # 3. the four single-task oracles, each one stage from the base (~7 min)
 $RUN train_seq.py --preset "$ARENA" --oracle
-# 4. evaluation at 300 tasks per split: the base, every stage, every oracle; the accuracy matrix with
-#    forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~16 min: 9 checkpoints x ~100 s)
-python evaluate.py --suite "$SUITE" --ckpt "$RUNS/base" "$RUNS"/seq/[0-9]-{math,search,ecommerce,if} \
-    "$RUNS"/oracle/{math,search,ecommerce,if} | tee "$RUNS/scores.md"
+# 4. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
+#    ways; grid and balanced score candidates on each domain's val tasks of the tiny worlds, so they run in
+#    the tiny arena only (at full scale BASE must be a local copy of the base model's directory)
+STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
+BASE=${BASE:-$RUNS/base}
+# uniform lambda = 1/4 (seconds)
+[ -f "$RUNS/merge/uniform/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform"
+# the best mean val score on a simplex grid of step 0.5, 11 candidates (~5 min)
+[ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" \
+    --search grid --grid-step 0.5 --out "$RUNS/merge/grid"
+# the best worst-domain val score relative to the oracles, same grid (~5 min)
+[ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" \
+    --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} --out "$RUNS/merge/balanced"
+# 5. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge; the accuracy matrix
+#    with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~20 min: 12 checkpoints x ~100 s)
+python evaluate.py --suite "$SUITE" --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if} \
+    "$RUNS"/merge/* | tee "$RUNS/scores.md"

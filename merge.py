@@ -8,8 +8,8 @@ checkpoints are added back onto the base, theta_merge = theta_0 + sum_k lambda_k
         --oracles runs/tiny/oracle/{math,search,ecommerce,if} --out runs/tiny/merge/balanced
 
 Full scale is the same command on Qwen3-8B checkpoints; it needs no GPU and no torchrun: the merge streams
-over the safetensors shards and holds one tensor per input (plus one output shard) in memory, never K + 1
-models. Methods (per tensor; `density` is the fraction of a task vector kept):
+over the safetensors shards and holds one tensor per input in memory, never K + 1 models (plus float32 work
+space for that tensor: 3 copies for the linear methods, K + 3 for TIES's sign election). Methods (per tensor; `density` is the fraction of a task vector kept):
   task_arithmetic  theta_0 + sum_k lambda_k tau_k
   ties             trim each tau_k to its top-density entries by magnitude, elect each entry's sign as the sign
                    of sum_k lambda_k tau_k (trimmed), and average the agreeing entries weighted by lambda_k
@@ -70,15 +70,17 @@ def merge_tensor(base: torch.Tensor, models: list, weights: list, method: str, d
                  generator: torch.Generator | None = None) -> torch.Tensor:
     """theta_0 plus the merged task vectors of one tensor, computed in float32, returned in base's dtype."""
     theta0 = base.float()
+    if method in ("task_arithmetic", "dare_linear"):  # linear: one float32 task vector at a time
+        delta = torch.zeros_like(theta0)
+        for m, wk in zip(models, weights):
+            tau = m.float() - theta0
+            delta += wk * (dare_drop(tau, density, generator) if method == "dare_linear" else tau)
+        return (theta0 + delta).to(base.dtype)
+    # TIES: the sign election needs every task vector of this tensor at once
     taus = [m.float() - theta0 for m in models]                       # K x (tensor shape)
-    if method in ("ties",):
-        taus = [trim_top(t, density) for t in taus]
-    elif method in ("dare_linear", "dare_ties"):
-        taus = [dare_drop(t, density, generator) for t in taus]
+    taus = [trim_top(t, density) if method == "ties" else dare_drop(t, density, generator) for t in taus]
     w = torch.tensor(weights, dtype=torch.float32).view(-1, *[1] * theta0.dim())  # (K, 1, ...)
     weighted = torch.stack(taus) * w                                  # (K, ...)
-    if method in ("task_arithmetic", "dare_linear"):
-        return (theta0 + weighted.sum(0)).to(base.dtype)
     sign = torch.where(weighted.sum(0) >= 0, 1.0, -1.0)               # the elected sign per entry
     agree = (torch.sign(weighted) == sign).float()                    # (K, ...): zeros never agree
     divisor = (w * agree).sum(0)
