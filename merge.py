@@ -9,7 +9,8 @@ checkpoints are added back onto the base, theta_merge = theta_0 + sum_k lambda_k
 
 Full scale is the same command on Qwen3-8B checkpoints; it needs no GPU and no torchrun: the merge streams
 over the safetensors shards and holds one tensor per input in memory, never K + 1 models (plus float32 work
-space for that tensor: 3 copies for the linear methods, K + 3 for TIES's sign election). Methods (per tensor; `density` is the fraction of a task vector kept):
+space for that tensor: 3 copies for the linear methods, K + 3 for TIES's sign election).
+Methods (per tensor; `density` is the fraction of a task vector kept):
   task_arithmetic  theta_0 + sum_k lambda_k tau_k
   ties             trim each tau_k to its top-density entries by magnitude, elect each entry's sign as the sign
                    of sum_k lambda_k tau_k (trimmed), and average the agreeing entries weighted by lambda_k
@@ -257,7 +258,8 @@ def objective(scores: dict, mode: str, oracle: dict | None) -> float:
 
 
 def search_weights(a, files) -> tuple:
-    """-> (lambda, [(lambda, scores, objective)]) for --search grid|balanced."""
+    """-> (the winning lambda, every candidate as (lambda, scores, objective), the oracles' val scores or None)
+    for --search grid|balanced."""
     from evaluate import load_benchmarks
     tasks = load_benchmarks("tiny", a.domains, ("val",), a.search_n)
     oracle = None
@@ -330,10 +332,10 @@ def parse_args(argv=None):
                 raise EnvError("--search-n must be >= 1")
         if a.search == "balanced" and (not a.oracles or len(a.oracles) != len(a.domains)):
             raise EnvError("--search balanced needs --oracles, one checkpoint per domain")
-        for ckpt in [a.base, *a.models, *(a.oracles or [])]:
+        a.files = check_inputs(a.base, a.models)
+        for ckpt in a.oracles or []:
             if not os.path.isfile(os.path.join(ckpt, "config.json")):
                 raise EnvError(f"not a checkpoint directory (no config.json): {ckpt}")
-        a.files = check_inputs(a.base, a.models)
     except EnvError as e:
         sys.exit(f"error: {e}")
     return a
