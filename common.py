@@ -282,3 +282,46 @@ def push_weights(backend, policy):
     (a no-op when the engine is the policy itself)."""
     if getattr(backend, "model", None) is not policy:
         backend.load_weights(full_params(policy))
+
+
+# ----------------------------------------------------------------------------- checkpoints tensor by tensor
+# safetensors by hand: an 8-byte header length, a JSON header {name: {dtype, shape, data_offsets}}, the bytes.
+# Reading one tensor is a seek and a read (no mmap, so pages of a checkpoint do not pile up in memory): merge.py
+# and analyze.py stream over 8B checkpoints this way.
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+def read_header(path: str) -> tuple:
+    """(header without __metadata__, offset of the data section) of a .safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def read_tensor(path: str, name: str, headers: dict) -> torch.Tensor:
+    if path not in headers:
+        headers[path] = read_header(path)
+    header, data = headers[path]
+    info = header[name]
+    start, end = info["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(data + start)
+        buf = bytearray(f.read(end - start))
+    return torch.frombuffer(buf, dtype=DTYPES[info["dtype"]]).reshape(info["shape"]) if buf else \
+        torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+
+
+def shard_files(ckpt: str) -> dict:
+    """tensor name -> safetensors file of a HF checkpoint directory (one file or an index of shards)."""
+    index = os.path.join(ckpt, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(ckpt, file) for name, file in json.load(f)["weight_map"].items()}
+    single = os.path.join(ckpt, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no safetensors weights in {ckpt} (model.safetensors or its index)")
+    return {name: single for name in read_header(single)[0]}

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from common import write_atomically, write_meta
+from common import read_header, read_tensor, shard_files, write_atomically, write_meta
 from envs import DOMAINS, EnvError, parse_domains
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
@@ -90,49 +90,6 @@ def merge_tensor(base: torch.Tensor, models: list, weights: list, method: str, d
 
 
 # ----------------------------------------------------------------------------- streaming over checkpoints
-# safetensors by hand: an 8-byte header length, a JSON header {name: {dtype, shape, data_offsets}}, the bytes.
-# Reading one tensor is a seek and a read (no mmap, so pages of the inputs do not pile up in memory), and the
-# output's header is known before any tensor is merged (same names, shapes and dtypes as the base), so every
-# merged tensor is written as soon as it is computed: one tensor per input and one output tensor in memory.
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
-
-
-def read_header(path: str) -> tuple:
-    """(header without __metadata__, offset of the data section) of a .safetensors file."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-def read_tensor(path: str, name: str, headers: dict) -> torch.Tensor:
-    if path not in headers:
-        headers[path] = read_header(path)
-    header, data = headers[path]
-    info = header[name]
-    start, end = info["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(data + start)
-        buf = bytearray(f.read(end - start))
-    return torch.frombuffer(buf, dtype=DTYPES[info["dtype"]]).reshape(info["shape"]) if buf else \
-        torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
-
-
-def shard_files(ckpt: str) -> dict:
-    """tensor name -> safetensors file of a HF checkpoint directory (one file or an index of shards)."""
-    index = os.path.join(ckpt, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {name: os.path.join(ckpt, file) for name, file in json.load(f)["weight_map"].items()}
-    single = os.path.join(ckpt, "model.safetensors")
-    if not os.path.isfile(single):
-        raise EnvError(f"no safetensors weights in {ckpt} (model.safetensors or its index)")
-    return {name: single for name in read_header(single)[0]}
-
-
 def tensor_infos(files: dict) -> dict:
     """tensor name -> {dtype, shape, data_offsets} over a checkpoint's shards."""
     out = {}
@@ -148,7 +105,10 @@ def check_inputs(base: str, models: list) -> dict:
     for ckpt in [base, *models]:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
             raise EnvError(f"not a checkpoint directory (no config.json): {ckpt}")
-        files[ckpt] = shard_files(ckpt)
+        try:
+            files[ckpt] = shard_files(ckpt)
+        except FileNotFoundError as e:
+            raise EnvError(str(e)) from None
         infos[ckpt] = tensor_infos(files[ckpt])
     with open(os.path.join(base, "config.json")) as f:
         cfg0 = json.load(f)
