@@ -302,17 +302,24 @@ def read_header(path: str) -> tuple:
     return header, 8 + n
 
 
-def read_tensor(path: str, name: str, headers: dict) -> torch.Tensor:
+def read_tensor(path: str, name: str, headers: dict, rows: tuple | None = None) -> torch.Tensor:
+    """One tensor of a .safetensors file (headers: a cache of read_header by path); rows=(start, stop) reads
+    only those rows of its first dimension."""
     if path not in headers:
         headers[path] = read_header(path)
     header, data = headers[path]
     info = header[name]
     start, end = info["data_offsets"]
+    shape = list(info["shape"])
+    if rows is not None:
+        row_bytes = (end - start) // shape[0]
+        start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+        shape[0] = rows[1] - rows[0]
     with open(path, "rb") as f:
         f.seek(data + start)
         buf = bytearray(f.read(end - start))
-    return torch.frombuffer(buf, dtype=DTYPES[info["dtype"]]).reshape(info["shape"]) if buf else \
-        torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+    dtype = DTYPES[info["dtype"]]
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape) if buf else torch.empty(shape, dtype=dtype)
 
 
 def shard_files(ckpt: str) -> dict:

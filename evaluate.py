@@ -304,6 +304,12 @@ def plot_matrix(m, path, title="accuracy after each stage"):
             ax.text(j, r, _fmt(x), ha="center", va="center", color="k" if x is None or x >= 0.6 * top else "w", fontsize=9)
     ax.set_title(f"{title}\nBWT {_fmt(m['bwt'])}  FWT {_fmt(m['fwt'])}", fontsize=10)
     fig.colorbar(im, ax=ax)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path):
+    """Write a matplotlib figure as a PNG atomically and close it; returns path."""
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}.png"

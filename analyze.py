@@ -1,0 +1,395 @@
+"""Why agents forget: the paper's two diagnostic views for any set of checkpoints.
+
+    python analyze.py                                   # the tiny arena: every stage, oracle and merge in runs/tiny
+    python analyze.py --base runs/tiny/base --ckpts runs/tiny/seq/[0-9]* runs/tiny/oracle/* \\
+        --ref runs/tiny/seq/1-math --out runs/tiny/analysis
+
+Model level. Each checkpoint's displacement d_i = theta_i - theta_base is never formed whole: the checkpoints
+are streamed tensor by tensor (and a large tensor in chunks of rows, --chunk-mb per checkpoint), and only
+the N x N Gram matrix G_ij = <d_i, d_j> is accumulated, overall and per parameter group (attention, mlp,
+embeddings, norms). Everything follows from G: norms |d_i| = sqrt(G_ii); cosines G_ij / (|d_i| |d_j|);
+the distance between any two checkpoints |theta_a - theta_b|^2 = G_aa + G_bb - 2 G_ab, so each stage's own
+move (from its parent, split into its RFT cold start and its RL part where the -rft checkpoint exists);
+and the PCA of the unit-normalised displacements u_i = d_i / |d_i|: their Gram matrix is the cosine matrix C,
+the centred one is K = H C H (H = I - 11^T / N), and K's top eigenvectors scaled by the square roots of
+their eigenvalues are the points' coordinates on the first principal components: exact, and N x N
+whatever the parameter count.
+
+Token level (fixed prefix). A reference checkpoint (default seq/1-math) samples answers to its domain's
+prompts; every other checkpoint is teacher-forced on the same tokens. At each sampled position: is the
+reference's top-1 token still the checkpoint's top-1 (consistency), the reference's predictive entropy,
+and KL(reference || checkpoint). Consistency is bucketed by the reference's entropy (quantile buckets, and
+a low/high split at --entropy-threshold nats), and the share of all prediction change (KL mass, and top-1
+flips) carried by the high-entropy positions is reported.
+
+Writes runs/<preset>/analysis/: analysis.json (every number), pca.png, cosine.png, token_consistency.png.
+
+Differences from the paper:
+1. Consistency asks whether the reference's top-1 token is still ranked first (the reference's sampled
+   token is not always its own top-1), so a checkpoint identical to the reference scores 100%.
+2. The paper does not say how its PCA was computed; here it is exact, through the Gram matrix.
+"""
+import argparse
+import glob
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from common import read_header, read_meta, read_tensor, shard_files
+from envs import EnvError, make_env
+
+GROUPS = ("attention", "mlp", "embeddings", "norms")
+
+
+# ----------------------------------------------------------------------------- model level
+
+def group_of(name: str) -> str:
+    if "norm" in name:
+        return "norms"
+    if "embed" in name or "lm_head" in name:
+        return "embeddings"
+    if "self_attn" in name:
+        return "attention"
+    if "mlp" in name:
+        return "mlp"
+    return "other"
+
+
+def displacement_gram(base: str, ckpts: list, chunk_bytes: int = 64 * 1024 ** 2) -> dict:
+    """{group: G (N x N float64 numpy)} with G_ij = <theta_i - theta_base, theta_j - theta_base> summed over
+    the group's tensors ("all": every tensor). Streams tensor by tensor, a big tensor in row chunks of about
+    chunk_bytes per checkpoint: memory holds one chunk per checkpoint."""
+    files = {c: shard_files(c) for c in [base, *ckpts]}
+    headers = {}
+    names = sorted(files[base])
+    for c in ckpts:
+        if sorted(files[c]) != names:
+            raise EnvError(f"{c} does not have the base's tensors: not the same architecture")
+    n = len(ckpts)
+    grams = {g: np.zeros((n, n)) for g in ("all", *GROUPS, "other")}
+    for name in names:
+        path = files[base][name]
+        if path not in headers:
+            headers[path] = read_header(path)
+        shape = headers[path][0][name]["shape"]
+        rows = shape[0] if shape else 1
+        row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4 if shape else 4)
+        step = max(1, chunk_bytes // row_bytes)
+        for r0 in range(0, rows, step):
+            sl = (r0, min(rows, r0 + step)) if shape else None
+            b = read_tensor(path, name, headers, sl).double().flatten()
+            d = torch.stack([read_tensor(files[c][name], name, headers, sl).double().flatten() - b
+                             for c in ckpts])                                    # (N, chunk)
+            g = (d @ d.T).numpy()                                                 # (N, N)
+            grams["all"] += g
+            grams[group_of(name)] += g
+    return {k: v for k, v in grams.items() if k == "all" or v.any()}
+
+
+def cosine_from_gram(G: np.ndarray) -> np.ndarray:
+    norms = np.sqrt(np.clip(np.diag(G), 0, None))
+    denom = np.outer(norms, norms)
+    return np.divide(G, denom, out=np.zeros_like(G), where=denom > 0)
+
+
+def pca_from_gram(C: np.ndarray, k: int = 2) -> tuple:
+    """(coordinates N x k, explained variance ratios) of N vectors whose Gram matrix is C (kernel PCA of the
+    centred vectors; exact). Each component's sign is fixed so that its largest |coordinate| is positive."""
+    n = len(C)
+    H = np.eye(n) - np.ones((n, n)) / n
+    vals, vecs = np.linalg.eigh(H @ C @ H)
+    order = np.argsort(vals)[::-1]
+    vals, vecs = np.clip(vals[order], 0, None), vecs[:, order]
+    coords = vecs[:, :k] * np.sqrt(vals[:k])
+    for j in range(coords.shape[1]):
+        if coords[np.argmax(np.abs(coords[:, j])), j] < 0:
+            coords[:, j] *= -1
+    total = vals.sum()
+    return coords, (vals[:k] / total if total > 0 else np.zeros(k))
+
+
+def distance(G: np.ndarray, i: int | None, j: int | None) -> float:
+    """|theta_i - theta_j| from the Gram matrix (None: the base)."""
+    gii = G[i, i] if i is not None else 0.0
+    gjj = G[j, j] if j is not None else 0.0
+    gij = G[i, j] if i is not None and j is not None else 0.0
+    return float(np.sqrt(max(gii + gjj - 2 * gij, 0.0)))
+
+
+def stage_moves(labels: list, paths: list, G: np.ndarray, base: str) -> list:
+    """Each checkpoint's move from its parent (acl_meta.json), split into RFT and RL where <dir>-rft exists."""
+    index = {os.path.abspath(p): i for i, p in enumerate(paths)}
+    out = []
+    for i, p in enumerate(paths):
+        if p.endswith("-rft"):
+            continue
+        parent = read_meta(p).get("parent")
+        parent = os.path.abspath(parent) if parent else None
+        if parent != os.path.abspath(base) and parent not in index:
+            continue
+        j = index.get(parent)
+        row = {"checkpoint": labels[i], "total": distance(G, i, j)}
+        rft = index.get(os.path.abspath(p) + "-rft")
+        if rft is not None:
+            row["rft"], row["rl"] = distance(G, rft, j), distance(G, i, rft)
+        out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- token level
+
+def token_stats(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple:
+    """Per position (rows of (P, V) logits): (same top-1, the reference's entropy, KL(reference || other))."""
+    p = torch.log_softmax(ref_logits.float(), -1)
+    q = torch.log_softmax(logits.float(), -1)
+    entropy = -(p.exp() * p).sum(-1)
+    kl = (p.exp() * (p - q)).sum(-1).clamp(min=0)
+    return ref_logits.argmax(-1) == logits.argmax(-1), entropy, kl
+
+
+def bucket_report(same: np.ndarray, entropy: np.ndarray, kl: np.ndarray, n_buckets: int, threshold: float) -> dict:
+    """Consistency by quantile bucket of the reference's entropy, and the low/high split at `threshold`."""
+    edges = np.quantile(entropy, np.linspace(0, 1, n_buckets + 1))
+    which = np.clip(np.searchsorted(edges, entropy, side="right") - 1, 0, n_buckets - 1)
+    buckets = []
+    for b in range(n_buckets):
+        m = which == b
+        buckets.append({"entropy_lo": float(edges[b]), "entropy_hi": float(edges[b + 1]), "n": int(m.sum()),
+                        "consistency": float(same[m].mean()) if m.any() else None,
+                        "kl": float(kl[m].mean()) if m.any() else None})
+    high = entropy > threshold
+    flips = ~same
+    return {"buckets": buckets, "threshold": threshold, "n": int(len(same)), "high_fraction": float(high.mean()),
+            "consistency": float(same.mean()),
+            "low_consistency": float(same[~high].mean()) if (~high).any() else None,
+            "high_consistency": float(same[high].mean()) if high.any() else None,
+            "high_kl_share": float(kl[high].sum() / kl.sum()) if kl.sum() > 0 else None,
+            "high_flip_share": float((flips & high).sum() / flips.sum()) if flips.any() else None,
+            "mean_kl": float(kl.mean())}
+
+
+def sample_reference(ref: str, domain: str, n: int, batch: int, seed: int) -> tuple:
+    """The reference's episodes on its domain's test prompts: [(token_ids, sampled positions)], tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envs.rollout import HFBackend, rollout
+    tok = AutoTokenizer.from_pretrained(ref)
+    model = AutoModelForCausalLM.from_pretrained(ref).eval()
+    env = make_env(domain)
+    eps = rollout(HFBackend(model, tok, batch), tok, [(env, t) for t in env.tasks("test", n=n)], 1, 1.0, seed=seed)
+    return [(e.token_ids, [t for t, m in enumerate(e.loss_mask) if m]) for e in eps], tok
+
+
+@torch.no_grad()
+def position_logits(model, episodes, pad_id: int, batch: int):
+    """Yields the (P, V) logits predicting each sampled token, batch by batch (teacher forcing)."""
+    for s in range(0, len(episodes), batch):
+        chunk = episodes[s:s + batch]
+        T = max(len(ids) for ids, _ in chunk)
+        ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(chunk), T), dtype=torch.long)
+        for i, (x, _) in enumerate(chunk):
+            ids[i, :len(x)], attn[i, :len(x)] = torch.tensor(x), 1
+        logits = model(input_ids=ids, attention_mask=attn).logits                 # (B, T, V)
+        yield torch.cat([logits[i, [t - 1 for t in pos]] for i, (_, pos) in enumerate(chunk) if pos])
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def token_level(ref: str, ckpts: list, labels: list, a) -> dict:
+    from transformers import AutoModelForCausalLM
+    domain = read_meta(ref).get("stage") or a.domain
+    if domain not in ("math", "search", "ecommerce", "if"):
+        raise EnvError(f"cannot tell the reference's domain from {ref}/acl_meta.json: pass --domain")
+    episodes, tok = sample_reference(ref, domain, a.n, a.batch, a.seed)
+    ref_model = AutoModelForCausalLM.from_pretrained(ref).eval()
+    out = {"reference": ref, "domain": domain, "n_prompts": len(episodes),
+           "n_positions": sum(len(p) for _, p in episodes), "checkpoints": {}}
+    for path, label in zip(ckpts, labels):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        same, ent, kl = [], [], []
+        for r, c in zip(position_logits(ref_model, episodes, tok.pad_token_id, a.batch),
+                        position_logits(model, episodes, tok.pad_token_id, a.batch)):
+            s, e, k = token_stats(r, c)
+            same.append(s), ent.append(e), kl.append(k)
+        rep = bucket_report(torch.cat(same).numpy(), torch.cat(ent).numpy(), torch.cat(kl).numpy(), a.buckets,
+                            a.entropy_threshold)
+        out["checkpoints"][label] = rep
+        print(f"[token] {label}: consistency {_pct(rep['consistency'])} | low-entropy {_pct(rep['low_consistency'])} "
+              f"| high-entropy {_pct(rep['high_consistency'])} | mean KL {rep['mean_kl']:.4f}", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- plots
+
+def plot_pca(coords, labels, explained, moving, path):
+    """The checkpoints that moved off the base (a zero displacement has no direction), the sequential
+    stages joined in curriculum order."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from evaluate import save_figure
+    fig, ax = plt.subplots(figsize=(7, 5.5))
+    seq = [i for i, lab in enumerate(labels) if lab.startswith("seq-") and not lab.endswith("-rft") and moving[i]]
+    ax.plot([coords[i, 0] for i in seq], [coords[i, 1] for i in seq], "-", color="C0", label="sequential stages, in order")
+    for i, lab in enumerate(labels):
+        if not moving[i]:
+            continue
+        kind = lab.split("-")[0]
+        color = {"seq": "C0", "oracle": "C1", "merge": "C2"}.get(kind, "C3")
+        ax.scatter(coords[i, 0], coords[i, 1], color=color, marker="x" if lab.endswith("-rft") else "o", zorder=3)
+        ax.annotate(lab, (coords[i, 0], coords[i, 1]), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(f"PC1 ({explained[0]:.0%})")
+    ax.set_ylabel(f"PC2 ({explained[1]:.0%})" if len(explained) > 1 else "PC2")
+    ax.set_title("unit-normalised displacements from the base, first two principal components", fontsize=10)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def plot_cosine(C, labels, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from evaluate import save_figure
+    fig, ax = plt.subplots(figsize=(1.5 + 0.55 * len(labels), 1.2 + 0.5 * len(labels)))
+    im = ax.imshow(C, cmap="coolwarm", vmin=-1, vmax=1)
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    for i in range(len(labels)):
+        for j in range(len(labels)):
+            ax.text(j, i, f"{C[i, j]:.2f}", ha="center", va="center", fontsize=6)
+    ax.set_title("cosine similarity of task vectors (all parameters)", fontsize=10)
+    fig.colorbar(im, ax=ax)
+    return save_figure(fig, path)
+
+
+def plot_consistency(tok: dict, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from evaluate import save_figure
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, rep in tok["checkpoints"].items():
+        ys = [b["consistency"] for b in rep["buckets"]]
+        ax.plot(range(1, len(ys) + 1), ys, "-o", label=label)
+    ax.set_xlabel("reference entropy bucket (quantiles, low to high)")
+    ax.set_ylabel("top-1 consistency with the reference")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"fixed prefix: {tok['reference']} on {tok['domain']}", fontsize=10)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def default_ckpts(runs: str) -> list:
+    """The tiny arena's checkpoints that exist: sequential stages (with their -rft cold starts), oracles, merges."""
+    out = sorted(glob.glob(os.path.join(runs, "seq", "[0-9]-*")))
+    out += sorted(glob.glob(os.path.join(runs, "oracle", "*"))) + sorted(glob.glob(os.path.join(runs, "merge", "*")))
+    return [p for p in out if os.path.isfile(os.path.join(p, "config.json"))]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default="runs/tiny", help="run directory: defaults for the flags below")
+    p.add_argument("--base", default=None, help="theta_base (default <runs>/base)")
+    p.add_argument("--ckpts", nargs="+", default=None, help="checkpoints (default: every stage, oracle and merge in --runs)")
+    p.add_argument("--ref", default=None, help="token level: the reference (default <runs>/seq/1-math)")
+    p.add_argument("--domain", default=None, help="token level: the reference's domain when its acl_meta.json lacks it")
+    p.add_argument("--n", type=int, default=100, help="token level: prompts the reference answers")
+    p.add_argument("--batch", type=int, default=32, help="token level: sequences per forward pass")
+    p.add_argument("--buckets", type=int, default=5, help="token level: quantile buckets of the reference's entropy")
+    p.add_argument("--entropy-threshold", type=float, default=0.5, help="token level: nats above which a position is high-entropy")
+    p.add_argument("--chunk-mb", type=float, default=64, help="model level: rows of a tensor read at once, per checkpoint")
+    p.add_argument("--no-tokens", action="store_true", help="skip the token level")
+    p.add_argument("--out", default=None, help="output directory (default <runs>/analysis)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the reference")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    a = p.parse_args(argv)
+    a.base = a.base or os.path.join(a.runs, "base")
+    a.ckpts = a.ckpts or default_ckpts(a.runs)
+    a.ref = a.ref or os.path.join(a.runs, "seq", "1-math")
+    a.out = a.out or os.path.join(a.runs, "analysis")
+    try:
+        if a.n < 1 or a.batch < 1 or a.buckets < 1 or a.chunk_mb <= 0:
+            raise EnvError("need --n, --batch, --buckets >= 1 and --chunk-mb > 0")
+        if len(a.ckpts) < 2:
+            raise EnvError(f"need at least 2 checkpoints to compare, found {len(a.ckpts)} (pass --ckpts)")
+        for c in [a.base, *a.ckpts] + ([] if a.no_tokens else [a.ref]):
+            if not os.path.isfile(os.path.join(c, "config.json")):
+                raise EnvError(f"not a checkpoint directory (no config.json): {c}")
+            shard_files(c)
+    except (EnvError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    return a
+
+
+def label_of(path: str) -> str:
+    from evaluate import run_name
+    return run_name(path)[1]
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from evaluate import save_results
+    t0 = time.time()
+    labels = [label_of(c) for c in a.ckpts]
+    try:
+        grams = displacement_gram(a.base, a.ckpts, int(a.chunk_mb * 1024 ** 2))
+    except EnvError as e:
+        sys.exit(f"error: {e}")
+    G = grams["all"]
+    norms = np.sqrt(np.clip(np.diag(G), 0, None))
+    cos = {g: cosine_from_gram(Gg) for g, Gg in grams.items()}
+    moving = norms > 0
+    coords = np.zeros((len(labels), 2))
+    explained = np.zeros(2)
+    if moving.sum() >= 2:   # a checkpoint equal to the base has no direction: left at the origin
+        sub, explained = pca_from_gram(cos["all"][np.ix_(moving, moving)], 2)
+        coords[moving, :sub.shape[1]] = sub
+    moves = stage_moves(labels, a.ckpts, G, a.base)
+    result = {"base": a.base, "checkpoints": labels, "paths": a.ckpts, "norms": dict(zip(labels, norms.tolist())),
+              "cosine": {g: c.tolist() for g, c in cos.items()}, "pca": dict(zip(labels, coords.tolist())),
+              "pca_explained": explained.tolist(), "stage_moves": moves,
+              "pca_method": "exact kernel PCA of the unit-normalised displacements through their N x N Gram matrix"}
+    print(f"model level: {len(labels)} checkpoints against {a.base} in {time.time() - t0:.1f}s")
+    print("| displacement from base | " + " | ".join(labels) + " |")
+    print("|---" * (len(labels) + 1) + "|")
+    for i, lab in enumerate(labels):
+        print(f"| {lab} (norm {norms[i]:.3f}) | " + " | ".join(f"{x:.2f}" for x in cos["all"][i]) + " |")
+    for m in moves:
+        split = f" (RFT {m['rft']:.3f}, RL {m['rl']:.3f})" if "rft" in m else ""
+        print(f"move of {m['checkpoint']} from its parent: {m['total']:.3f}{split}")
+    os.makedirs(a.out, exist_ok=True)
+    plot_pca(coords, labels, explained, moving, os.path.join(a.out, "pca.png"))
+    plot_cosine(cos["all"], labels, os.path.join(a.out, "cosine.png"))
+    if not a.no_tokens:
+        ref = os.path.abspath(a.ref)
+        later = [(c, lab) for c, lab in zip(a.ckpts, labels) if os.path.abspath(c) != ref and not c.endswith("-rft")]
+        try:
+            result["token"] = token_level(a.ref, [c for c, _ in later], [lab for _, lab in later], a)
+        except EnvError as e:
+            sys.exit(f"error: {e}")
+        plot_consistency(result["token"], os.path.join(a.out, "token_consistency.png"))
+        for lab, rep in result["token"]["checkpoints"].items():
+            print(f"{lab}: {_pct(rep['low_consistency'])} of low-entropy tokens (H <= {a.entropy_threshold}) keep the "
+                  f"reference's top-1; high-entropy tokens ({_pct(rep['high_fraction'])} of positions) carry "
+                  f"{_pct(rep['high_kl_share'])} of the KL and {_pct(rep['high_flip_share'])} of the top-1 flips")
+    save_results(os.path.join(a.out, "analysis.json"), result)
+    print(f"wrote {a.out}/analysis.json, pca.png, cosine.png{'' if a.no_tokens else ', token_consistency.png'} "
+          f"in {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
