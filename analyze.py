@@ -42,6 +42,7 @@ from common import read_header, read_meta, read_tensor, shard_files
 from envs import EnvError, make_env
 
 GROUPS = ("attention", "mlp", "embeddings", "norms")
+DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}   # token level: the models' dtype per device
 
 
 # ----------------------------------------------------------------------------- model level
@@ -171,13 +172,13 @@ def bucket_report(same: np.ndarray, entropy: np.ndarray, kl: np.ndarray, n_bucke
             "mean_kl": float(kl.mean())}
 
 
-def sample_reference(ref: str, domain: str, n: int, batch: int, seed: int) -> tuple:
+def sample_reference(ref: str, domain: str, n: int, batch: int, seed: int, device: str = "cpu") -> tuple:
     """The reference's episodes on its domain's test prompts: [(token_ids, sampled positions)], tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from envs.rollout import HFBackend, rollout
     tok = AutoTokenizer.from_pretrained(ref)
-    model = AutoModelForCausalLM.from_pretrained(ref).eval()
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPE[device]).to(device).eval()
     env = make_env(domain)
     eps = rollout(HFBackend(model, tok, batch), tok, [(env, t) for t in env.tasks("test", n=n)], 1, 1.0, seed=seed)
     return [(e.token_ids, [t for t, m in enumerate(e.loss_mask) if m]) for e in eps], tok
@@ -193,7 +194,8 @@ def position_logits(model, episodes, pad_id: int, batch: int):
         attn = torch.zeros((len(chunk), T), dtype=torch.long)
         for i, (x, _) in enumerate(chunk):
             ids[i, :len(x)], attn[i, :len(x)] = torch.tensor(x), 1
-        logits = model(input_ids=ids, attention_mask=attn).logits                 # (B, T, V)
+        dev = next(model.parameters()).device
+        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits.float().cpu()  # (B, T, V)
         yield torch.cat([logits[i, [t - 1 for t in pos]] for i, (_, pos) in enumerate(chunk) if pos])
 
 
@@ -206,12 +208,12 @@ def token_level(ref: str, ckpts: list, labels: list, a) -> dict:
     domain = read_meta(ref).get("stage") or a.domain
     if domain not in ("math", "search", "ecommerce", "if"):
         raise EnvError(f"cannot tell the reference's domain from {ref}/acl_meta.json: pass --domain")
-    episodes, tok = sample_reference(ref, domain, a.n, a.batch, a.seed)
-    ref_model = AutoModelForCausalLM.from_pretrained(ref).eval()
+    episodes, tok = sample_reference(ref, domain, a.n, a.batch, a.seed, a.device)
+    ref_model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPE[a.device]).to(a.device).eval()
     out = {"reference": ref, "domain": domain, "n_prompts": len(episodes),
            "n_positions": sum(len(p) for _, p in episodes), "checkpoints": {}}
     for path, label in zip(ckpts, labels):
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE[a.device]).to(a.device).eval()
         same, ent, kl = [], [], []
         for r, c in zip(position_logits(ref_model, episodes, tok.pad_token_id, a.batch),
                         position_logits(model, episodes, tok.pad_token_id, a.batch)):
@@ -220,6 +222,7 @@ def token_level(ref: str, ckpts: list, labels: list, a) -> dict:
         rep = bucket_report(torch.cat(same).numpy(), torch.cat(ent).numpy(), torch.cat(kl).numpy(), a.buckets,
                             a.entropy_threshold)
         out["checkpoints"][label] = rep
+        del model   # one compared model at a time beside the reference
         print(f"[token] {label}: consistency {_pct(rep['consistency'])} | low-entropy {_pct(rep['low_consistency'])} "
               f"| high-entropy {_pct(rep['high_consistency'])} | mean KL {rep['mean_kl']:.4f}", flush=True)
     return out
@@ -313,6 +316,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output directory (default <runs>/analysis)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the reference")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", choices=sorted(DTYPE), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="token level: where the models run (one at a time beside the reference)")
     a = p.parse_args(argv)
     a.base = a.base or os.path.join(a.runs, "base")
     a.ckpts = a.ckpts or default_ckpts(a.runs)

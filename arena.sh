@@ -20,26 +20,31 @@ else
     SUITE=full
 fi
 
+BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory (merge.py, analyze.py read it)
 # 1. the base: BPE tokenizer + ~1M-parameter Qwen3 pre-trained on the worlds' text and noisy demos (~6.5 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
 # 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
 $RUN train_seq.py --preset "$ARENA"
 # 3. the four single-task oracles, each one stage from the base (~7 min)
 $RUN train_seq.py --preset "$ARENA" --oracle
-# 4. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
+# 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
+#    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
+python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-* "$RUNS"/oracle/* --out "$RUNS/analysis/seq"
+# 5. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
 #    ways; grid and balanced score candidates on each domain's val tasks of the tiny worlds, so they run in
-#    the tiny arena only (at full scale BASE must be a local copy of the base model's directory)
+#    the tiny arena only
 STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
-BASE=${BASE:-$RUNS/base}
 # uniform lambda = 1/4 (seconds)
 [ -f "$RUNS/merge/uniform/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform"
-# the best mean val score on a simplex grid of step 0.5, 11 candidates (~5 min)
+# the best mean val score on a simplex grid of step 0.5, 11 candidates (~2 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" \
     --search grid --grid-step 0.5 --out "$RUNS/merge/grid"
-# the best worst-domain val score relative to the oracles, same grid (~5 min)
+# the best worst-domain val score relative to the oracles, same grid (~2 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" \
     --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} --out "$RUNS/merge/balanced"
-# 5. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge; the accuracy matrix
+# 6. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
+python analyze.py --runs "$RUNS" --base "$BASE"
+# 7. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge; the accuracy matrix
 #    with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~20 min: 12 checkpoints x ~100 s)
 python evaluate.py --suite "$SUITE" --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if} \
     "$RUNS"/merge/* | tee "$RUNS/scores.md"
