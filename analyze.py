@@ -173,7 +173,8 @@ def bucket_report(same: np.ndarray, entropy: np.ndarray, kl: np.ndarray, n_bucke
 
 
 def sample_reference(ref: str, domain: str, n: int, batch: int, seed: int, device: str = "cpu") -> tuple:
-    """The reference's episodes on its domain's test prompts: [(token_ids, sampled positions)], tokenizer."""
+    """The reference's episodes on its domain's test prompts: ([(token_ids, sampled positions)], tokenizer,
+    the reference model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from envs.rollout import HFBackend, rollout
@@ -181,7 +182,7 @@ def sample_reference(ref: str, domain: str, n: int, batch: int, seed: int, devic
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPE[device]).to(device).eval()
     env = make_env(domain)
     eps = rollout(HFBackend(model, tok, batch), tok, [(env, t) for t in env.tasks("test", n=n)], 1, 1.0, seed=seed)
-    return [(e.token_ids, [t for t, m in enumerate(e.loss_mask) if m]) for e in eps], tok
+    return [(e.token_ids, [t for t, m in enumerate(e.loss_mask) if m]) for e in eps], tok, model
 
 
 @torch.no_grad()
@@ -208,8 +209,7 @@ def token_level(ref: str, ckpts: list, labels: list, a) -> dict:
     domain = read_meta(ref).get("stage") or a.domain
     if domain not in ("math", "search", "ecommerce", "if"):
         raise EnvError(f"cannot tell the reference's domain from {ref}/acl_meta.json: pass --domain")
-    episodes, tok = sample_reference(ref, domain, a.n, a.batch, a.seed, a.device)
-    ref_model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPE[a.device]).to(a.device).eval()
+    episodes, tok, ref_model = sample_reference(ref, domain, a.n, a.batch, a.seed, a.device)
     out = {"reference": ref, "domain": domain, "n_prompts": len(episodes),
            "n_positions": sum(len(p) for _, p in episodes), "checkpoints": {}}
     for path, label in zip(ckpts, labels):
