@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from common import read_header, read_meta, read_tensor, shard_files
+from common import read_header, read_meta, read_tensor, same_tensors, shard_files
 from envs import EnvError, make_env
 
 GROUPS = ("attention", "mlp", "embeddings", "norms")
@@ -63,12 +63,12 @@ def displacement_gram(base: str, ckpts: list, chunk_bytes: int = 64 * 1024 ** 2)
     """{group: G (N x N float64 numpy)} with G_ij = <theta_i - theta_base, theta_j - theta_base> summed over
     the group's tensors ("all": every tensor). Streams tensor by tensor, a big tensor in row chunks of about
     chunk_bytes per checkpoint: memory holds one chunk per checkpoint."""
-    files = {c: shard_files(c) for c in [base, *ckpts]}
+    try:
+        files = same_tensors(base, ckpts)
+    except (FileNotFoundError, ValueError) as e:
+        raise EnvError(str(e)) from None
     headers = {}
     names = sorted(files[base])
-    for c in ckpts:
-        if sorted(files[c]) != names:
-            raise EnvError(f"{c} does not have the base's tensors: not the same architecture")
     n = len(ckpts)
     grams = {g: np.zeros((n, n)) for g in ("all", *GROUPS, "other")}
     for name in names:

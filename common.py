@@ -332,3 +332,27 @@ def shard_files(ckpt: str) -> dict:
     if not os.path.isfile(single):
         raise FileNotFoundError(f"no safetensors weights in {ckpt} (model.safetensors or its index)")
     return {name: single for name in read_header(single)[0]}
+
+
+def tensor_infos(files: dict) -> dict:
+    """tensor name -> {dtype, shape, data_offsets} over a checkpoint's shards (files: shard_files())."""
+    out = {}
+    for path in sorted(set(files.values())):
+        out.update(read_header(path)[0])
+    return {name: out[name] for name in files}
+
+
+def same_tensors(base: str, ckpts: list) -> dict:
+    """{checkpoint: {tensor name: file}} for the base and ckpts; ValueError unless every checkpoint has the
+    base's tensor names and shapes (FileNotFoundError when one has no safetensors weights)."""
+    files = {c: shard_files(c) for c in [base, *ckpts]}
+    infos = {c: tensor_infos(f) for c, f in files.items()}
+    for m in ckpts:
+        if set(infos[m]) != set(infos[base]):
+            extra = sorted(set(infos[m]) ^ set(infos[base]))[0]
+            raise ValueError(f"mismatched architectures: tensor {extra} is in only one of {m} and the base")
+        for name, info in infos[base].items():
+            if infos[m][name]["shape"] != info["shape"]:
+                raise ValueError(f"mismatched architectures: {name} is {infos[m][name]['shape']} in {m}, "
+                                 f"{info['shape']} in the base")
+    return files

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from common import read_header, read_tensor, shard_files, write_atomically, write_meta
+from common import read_tensor, same_tensors, tensor_infos, write_atomically, write_meta
 from envs import DOMAINS, EnvError, parse_domains
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
@@ -90,26 +90,12 @@ def merge_tensor(base: torch.Tensor, models: list, weights: list, method: str, d
 
 
 # ----------------------------------------------------------------------------- streaming over checkpoints
-def tensor_infos(files: dict) -> dict:
-    """tensor name -> {dtype, shape, data_offsets} over a checkpoint's shards."""
-    out = {}
-    for path in sorted(set(files.values())):
-        out.update(read_header(path)[0])
-    return {name: out[name] for name in files}
-
-
 def check_inputs(base: str, models: list) -> dict:
     """Stop with one clear line unless every checkpoint exists and has the base's architecture and tensors.
     Returns {checkpoint: {tensor name: file}}."""
-    files, infos = {}, {}
     for ckpt in [base, *models]:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
             raise EnvError(f"not a checkpoint directory (no config.json): {ckpt}")
-        try:
-            files[ckpt] = shard_files(ckpt)
-        except FileNotFoundError as e:
-            raise EnvError(str(e)) from None
-        infos[ckpt] = tensor_infos(files[ckpt])
     with open(os.path.join(base, "config.json")) as f:
         cfg0 = json.load(f)
     for m in models:
@@ -118,14 +104,10 @@ def check_inputs(base: str, models: list) -> dict:
         for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings"):
             if cfg.get(key) != cfg0.get(key):
                 raise EnvError(f"mismatched architectures: {m} has {key}={cfg.get(key)!r}, the base {cfg0.get(key)!r}")
-        if set(infos[m]) != set(infos[base]):
-            extra = sorted(set(infos[m]) ^ set(infos[base]))[0]
-            raise EnvError(f"mismatched architectures: tensor {extra} is in only one of {m} and the base")
-        for name, info in infos[base].items():
-            if infos[m][name]["shape"] != info["shape"]:
-                raise EnvError(f"mismatched architectures: {name} is {infos[m][name]['shape']} in {m}, "
-                               f"{info['shape']} in the base")
-    return files
+    try:
+        return same_tensors(base, models)
+    except (FileNotFoundError, ValueError) as e:
+        raise EnvError(str(e)) from None
 
 
 def plan_shards(infos: dict, shard_bytes: int) -> list:

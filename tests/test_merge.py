@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import merge
-from common import save_checkpoint
+from common import read_header, read_tensor, save_checkpoint, shard_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +44,7 @@ def load(path):
 def raw(path):
     """The tensors as stored (a tied lm_head is not), read the way merge.py reads them."""
     headers = {}
-    return {k: merge.read_tensor(f, k, headers) for k, f in merge.shard_files(path).items()}
+    return {k: read_tensor(f, k, headers) for k, f in shard_files(path).items()}
 
 
 # ----------------------------------------------------------------------------- formulas by hand
@@ -139,7 +139,7 @@ def test_bf16_checkpoints_stay_bf16(micro, tmp_path):
     for name in ("b", "m"):   # save_pretrained may consume the dict it is given: a copy each
         save_checkpoint(str(tmp_path / name), model, tok, {}, state_dict=dict(sd))
     merge.write_merge(str(tmp_path / "b"), [str(tmp_path / "m")], [1.0], "task_arithmetic", str(tmp_path / "o"))
-    header, _ = merge.read_header(str(tmp_path / "o" / "model.safetensors"))
+    header, _ = read_header(str(tmp_path / "o" / "model.safetensors"))
     assert {v["dtype"] for v in header.values()} == {"BF16"}
     out = load(str(tmp_path / "o"))
     assert all(torch.equal(out[k].to(torch.bfloat16), sd[k]) for k in sd)
