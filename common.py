@@ -7,6 +7,7 @@ Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs
 single process and every collective below is a no-op.
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -28,7 +29,17 @@ def rank() -> int:
 
 
 def world_size() -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def sharded() -> bool:
+    """True when a process group is up, so models are FSDP2-sharded (under torchrun, even with one rank:
+    that is how one GPU gets FSDP2's bf16 MixedPrecisionPolicy)."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
 
 
 def init_dist():
@@ -38,7 +49,7 @@ def init_dist():
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world_size() > 1 and not dist.is_initialized():
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return device
 
@@ -63,8 +74,8 @@ def teardown(exit_now: bool = True):
 def shard(model, bf16: bool = False, cpu_offload: bool = False):
     """FSDP2: fully_shard every decoder layer, then the root. With bf16, parameters are cast to bf16 for
     compute and gradients reduced in fp32 (MixedPrecisionPolicy); cpu_offload keeps shards on the CPU.
-    A no-op in a single process, so the same training loop runs unsharded on a laptop."""
-    if world_size() == 1:
+    A no-op without a process group, so the same training loop runs unsharded on a laptop."""
+    if not sharded():
         return model
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     kw = {}
@@ -81,7 +92,7 @@ def shard(model, bf16: bool = False, cpu_offload: bool = False):
 def full_state_dict(model) -> dict:
     """The whole model's state dict on rank 0 (on the CPU), {} on other ranks; plain state_dict() when
     unsharded. Every rank must call it: the gather is a collective."""
-    if world_size() == 1:
+    if not sharded():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -126,7 +137,7 @@ def load_train_state(path: str, model, opt) -> dict:
     returns `extra`. Every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(path, map_location="cpu", weights_only=False)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=world_size() > 1)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=sharded())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["py_rng"])
@@ -254,26 +265,50 @@ class Cursor:
         return out
 
 
-def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False):
-    """(model, tokenizer) from a HF checkpoint, fp32 master weights (FSDP2's MixedPrecisionPolicy casts)."""
+def resolve_attn(attn: str) -> str:
+    """--attn auto: flash_attention_2 where flash-attn is installed and a GPU is there, sdpa otherwise."""
+    if attn != "auto":
+        return attn
+    import importlib.util
+    return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False, dtype=torch.float32):
+    """(model, tokenizer) from a HF checkpoint, fp32 master weights by default (FSDP2's MixedPrecisionPolicy
+    casts for compute)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).to(device)
-    if grad_ckpt:
-        model.gradient_checkpointing_enable()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=resolve_attn(attn))
+    model = model.to(device)
+    if grad_ckpt:   # non-reentrant: the only kind that composes with FSDP2's hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tok
 
 
+_VLLM_ENGINE = None
+
+
 def make_backend(a, policy, tok, path, device):
-    """(backend, engine_model): what rollouts are sampled with. Single process + hf: the policy itself.
-    Under FSDP2 + hf: an unsharded copy on each rank, refreshed by push_weights after every update."""
+    """(backend, engine_model): what rollouts are sampled with. --backend vllm: a colocated vLLM engine
+    (engine_model None). Single process + hf: the policy itself.
+    Under FSDP2 + hf: an unsharded copy on each rank (bf16 with --bf16), refreshed by push_weights after
+    every update."""
     if a.backend == "vllm":
-        from envs.rollout import VLLMBackend  # issue 6: the colocated engine
-        return VLLMBackend(path, tok, a), None
+        # one colocated engine per rank for the whole run (vLLM holds one per process): built from the first
+        # checkpoint, then given each later stage's starting weights by a push, like after an update
+        from envs.rollout import VLLMBackend
+        global _VLLM_ENGINE
+        if _VLLM_ENGINE is None:
+            _VLLM_ENGINE = VLLMBackend(path, tok, dtype="bfloat16" if a.bf16 else "float32", gpu_util=a.vllm_gpu_util,
+                                       max_model_len=a.max_tokens, seed=a.seed + rank(), max_batch=a.gen_batch)
+            print0(f"vllm backend: {_VLLM_ENGINE.support}")
+        else:
+            _VLLM_ENGINE.load_weights(full_params(policy))
+        return _VLLM_ENGINE, None
     from envs.rollout import HFBackend
-    if world_size() == 1:
+    if not sharded():
         return HFBackend(policy, tok, a.gen_batch), policy
-    engine, _ = load_policy(path, device, a.attn)
+    engine, _ = load_policy(path, device, a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
     return HFBackend(engine.eval(), tok, a.gen_batch), engine
 
 
@@ -282,6 +317,119 @@ def push_weights(backend, policy):
     (a no-op when the engine is the policy itself)."""
     if getattr(backend, "model", None) is not policy:
         backend.load_weights(full_params(policy))
+
+
+# ----------------------------------------------------------------------------- --dry-run: a launch checked on paper
+# The config.json fields of the hub models the presets and bench/gpu.sh name, so that --dry-run and the GPU
+# benchmark need no download (a local checkpoint's own config.json is read instead).
+KNOWN_CONFIGS = {
+    "Qwen/Qwen3-8B-Base": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "Qwen/Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+KNOWN_CONFIGS["Qwen/Qwen3-8B"] = KNOWN_CONFIGS["Qwen/Qwen3-8B-Base"]
+
+
+def model_config(init: str):
+    """The transformers config of --init without downloading: its config.json if it is a local directory,
+    the built-in copy for a model KNOWN_CONFIGS names, else the local hub cache (or a ValueError)."""
+    from transformers import AutoConfig, Qwen3Config
+    if os.path.isfile(os.path.join(init, "config.json")):
+        return AutoConfig.from_pretrained(init)
+    if init in KNOWN_CONFIGS:
+        return Qwen3Config(**KNOWN_CONFIGS[init])
+    try:
+        return AutoConfig.from_pretrained(init, local_files_only=True)
+    except OSError:
+        raise ValueError(f"no config for {init}: not a local checkpoint, not cached, not one of "
+                         f"{', '.join(KNOWN_CONFIGS)}") from None
+
+
+def shard_rows(n: int, world: int, r: int) -> int:
+    """Rows of a dim-0 size n that FSDP2 puts on rank r: torch.chunk's split (ceil(n / world) per rank,
+    the last ranks short or empty)."""
+    per = -(-n // world)
+    return max(0, min(per, n - r * per))
+
+
+def dry_run(a, world: int, micro_batch: int, seq_len: int, gpu_gb: float = 141.0):
+    """Build --init's architecture on the meta device (no weights, no download), apply shard()'s FSDP2 plan
+    under a fake process group of `world` ranks, and print the parameters per rank, an estimate of the
+    memory per rank and the resolved configuration. Returns the figures (tests read them).
+
+    Memory per rank, in bytes, P_r = this rank's parameters (FSDP2 shards every tensor on dim 0):
+      fp32 master weights 4 P_r + fp32 gradients 4 P_r + AdamW moments 8 P_r (on the host with --cpu-offload);
+      the all-gathered unit: the root (embeddings, lm_head, final norm; gathered for the whole step) plus two
+      decoder layers (the one computing and the one prefetched), at the compute dtype, plus the largest unit's
+      unsharded fp32 gradient before its reduce-scatter;
+      activations: with activation checkpointing each layer keeps its input (h per token) and one layer is
+      recomputed at a time; without it every layer keeps the inputs of its matmuls and norms,
+      4h + 3q + 2kv + 4i values per token (q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate);
+      logits: micro_batch x seq_len x vocab x 10 bytes (bf16 logits, their fp32 copy, its gradient);
+      the frozen reference model (--kl-coef > 0): its fp32 shard, 4 P_r;
+      the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
+    vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
+    --vllm-gpu-util of the GPU while generating, so it is listed apart."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from transformers import AutoModelForCausalLM
+    cfg = model_config(a.init)
+    if dist.is_initialized():
+        raise RuntimeError("--dry-run runs in one process, not under torchrun")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        n_total = sum(p.numel() for p in model.parameters())
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        root = n_total - layer * len(model.model.layers)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        shard(model, bf16=a.bf16, cpu_offload=a.cpu_offload)
+        local0 = sum(p.to_local().numel() for p in model.parameters())   # what FSDP2 really put on rank 0
+    finally:
+        dist.destroy_process_group()
+    per_rank = [sum(shard_rows(s[0], world, r) * math.prod(s[1:]) for s in shapes) for r in range(world)]
+    assert per_rank[0] == local0, (per_rank[0], local0)   # the chunk rule above is FSDP2's
+    P_r = max(per_rank)
+    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    cb = 2 if a.bf16 else 4                                  # compute dtype bytes
+    tokens = micro_batch * seq_len
+    per_layer_acts = (4 * h + 3 * q + 2 * kv + 4 * i) * cb * tokens
+    acts = (L * h * cb * tokens + per_layer_acts) if a.grad_ckpt else L * per_layer_acts
+    states = 16 * P_r
+    mem = {
+        "weights+grads+adam (fp32, sharded)": 0 if a.cpu_offload else states,
+        "gathered params (root + 2 layers)": (root + 2 * layer) * cb + max(root, layer) * 4,
+        "activations": acts,
+        "logits (fp32 + grad)": tokens * V * 10,
+        "reference model (--kl-coef)": 4 * P_r if a.kl_coef > 0 else 0,
+        "hf engine (unsharded copy)": n_total * cb if getattr(a, "backend", "hf") == "hf" and world > 1 else 0,
+    }
+    gb = lambda x: x / 2**30
+    total = sum(mem.values())
+    print(f"dry run: {a.init} ({cfg.model_type}, {n_total / 1e9:.3f}B parameters) on {world} ranks, FSDP2 plan: "
+          f"each of {L} decoder layers, then the root; bf16 compute {a.bf16}, activation checkpointing "
+          f"{a.grad_ckpt}, cpu offload {a.cpu_offload}, attention {resolve_attn(a.attn)}")
+    print(f"parameters per rank: max {P_r / 1e6:.1f}M, min {min(per_rank) / 1e6:.1f}M "
+          f"(one layer {layer / 1e6:.1f}M, root {root / 1e6:.1f}M)")
+    print(f"estimated GPU memory per rank, micro-batch {micro_batch} x {seq_len} tokens:")
+    for k, v in mem.items():
+        print(f"  {k:<38} {gb(v):8.2f} GiB")
+    if a.cpu_offload:
+        print(f"  {'(host) weights+grads+adam, offloaded':<38} {gb(states):8.2f} GiB")
+    vllm = getattr(a, "vllm_gpu_util", 0.0) * gpu_gb * 2**30 if getattr(a, "backend", "hf") == "vllm" else 0.0
+    print(f"  {'training total':<38} {gb(total):8.2f} GiB")
+    if vllm:
+        print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
+    verdict = "fits" if max(total, vllm) < gpu_gb * 2**30 else "does NOT fit"
+    print(f"peak {gb(max(total, vllm)):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
+    print(f"resolved config: {vars(a)}")
+    return dict(n_params=n_total, per_rank=per_rank, memory=mem, total=total, fits=verdict == "fits")
 
 
 # ----------------------------------------------------------------------------- checkpoints tensor by tensor

@@ -26,9 +26,9 @@ A killed run restarted with the same command skips finished stages and resumes t
 its last saved step (--save-every); changing the recipe under an existing run directory is refused.
 
 Differences from the paper:
-1. Rollouts use transformers `generate` (the `hf` backend) unless --backend vllm; under torchrun the
-   hf backend keeps one unsharded copy of the policy per rank and weights are pushed to it after every
-   update, parameter by parameter, the way they are pushed to a colocated vLLM engine.
+1. Rollouts use the `hf` backend (a transformers decode loop) unless --backend vllm (a vLLM engine colocated in
+   every rank). Either way the loop is: generate -> sleep -> train -> wake -> push weights, parameter by
+   parameter; under torchrun the hf backend keeps one unsharded copy of the policy per rank to push into.
 2. The tiny preset's step counts, batch sizes and learning rate are chosen to fit a 2-core CPU; the
    qwen3-8b preset's follow the paper's range (group 8, lr 1e-6).
 3. The optimizer is reset at every stage (each stage is its own RL run, as in the paper's pipeline).
@@ -46,6 +46,7 @@ from common import (
     Cursor,
     all_reduce_max,
     all_reduce_sum,
+    dry_run,
     full_state_dict,
     gather_mean,
     init_dist,
@@ -127,14 +128,17 @@ def token_logprobs(model, b: dict, temperature: float = 1.0):
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, Tp - 1: -1]
     else:
         from transformers import DynamicCache
+
+        from envs.rollout import cache_kwarg
         cache = DynamicCache()
+        kv = {cache_kwarg(model): cache}
         p_pos = (p_attn.cumsum(-1) - 1).clamp(min=0)                                          # (U, Tp)
-        last = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, cache=cache, use_cache=True,
-                     logits_to_keep=1).logits[:, -1]                                          # (U, V)
+        last = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1,
+                     **kv).logits[:, -1]                                                      # (U, V)
         cache.batch_select_indices(rows)                                                      # U -> B rows
         attn = torch.cat([p_attn[rows], c_attn], 1)                                           # (B, Tp + Tc)
         pos = p_attn.sum(-1)[rows, None] + torch.arange(c_ids.size(1), device=c_ids.device)   # (B, Tc)
-        out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).logits
+        out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv).logits
         logits = torch.cat([last[rows, None], out[:, :-1]], 1)          # (B, Tc, V): t predicts c_ids[:, t]
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
@@ -311,6 +315,7 @@ def rft(policy, tok, backend, env, tasks, a, stage_name):
     if n_kept == 0:
         print0(f"[{stage_name}] rft: nothing to learn from; GRPO starts from the current policy")
         return 0
+    backend.sleep()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.rft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     policy.train()
     per_step = max(1, a.micro_batch // 2)   # this rank's episodes per SFT step
@@ -325,6 +330,7 @@ def rft(policy, tok, backend, env, tasks, a, stage_name):
         loss, _ = train_on(policy, opt, batch, sft_token_loss, a)
         if s % 10 == 0 or s == n_steps - 1:
             print0(f"[{stage_name}] rft sft step {s + 1}/{n_steps} | nll {loss:.4f}")
+    backend.wake()
     push_weights(backend, policy)
     return n_kept
 
@@ -363,6 +369,8 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
         reward = gather_mean(rewards)
         kept = kept[: per_rank * a.group]
         n_kept = int(all_reduce_sum(torch.tensor(float(len(kept)))).item())
+        # ---- sleep: the generation engine frees its memory for training (vLLM on GPU; a no-op for hf)
+        backend.sleep()
         # ---- train: one update on the kept groups
         policy.train()
         loss, clip_frac = 0.0, 0.0
@@ -377,7 +385,9 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
                 lo, cf = train_on(policy, opt, eps[sl], grpo_token_loss, a, a.temperature, adv=advs[sl],
                                   ref_model=ref_model, old=old[sl] if old else None)
                 loss, clip_frac = loss + lo / a.minibatches, clip_frac + cf / a.minibatches
-            push_weights(backend, policy)
+        # ---- wake, then push the new weights into the engine, a few tensors at a time
+        backend.wake()
+        push_weights(backend, policy)
         dt = time.time() - t_step
         el = time.time() - t0
         tok_s = all_reduce_sum(torch.tensor(float(n_tok))).item() / max(t_gen, 1e-9)
@@ -431,7 +441,8 @@ def run_stage(i, domain, parent, a, device):
     if rank() == 0 and os.path.exists(resume_path):
         os.remove(resume_path)
     if a.eval_n:
-        evaluate_stage(engine if engine is not None else policy, tok, out, a, seconds)
+        evaluate_stage(engine if engine is not None else policy, tok, out, a, seconds,
+                       backend=backend if a.backend == "vllm" else None)
     del policy, engine, backend, ref_model
     return out
 
@@ -446,7 +457,7 @@ def save(policy, tok, out, a, domain, i, parent, extra):
         print0(f"saved {out}")
 
 
-def evaluate_stage(model, tok, out, a, seconds):
+def evaluate_stage(model, tok, out, a, seconds, backend=None):
     """Score every domain (each domain's test and ood split on the tiny suite; every benchmark on the full
     one) on rank 0 and write runs/<preset>/eval/<name>.json, the record evaluate.py writes."""
     from evaluate import evaluate_model, save_results
@@ -454,7 +465,7 @@ def evaluate_stage(model, tok, out, a, seconds):
     if rank() == 0:
         t0 = time.time()
         suite = "tiny" if a.preset == "tiny" else "full"
-        res = evaluate_model(model, tok, suite=suite, n=a.eval_n or None, seeds=1, batch=a.gen_batch,
+        res = evaluate_model(model, tok, suite=suite, n=a.eval_n or None, seeds=1, batch=a.gen_batch, backend=backend,
                              max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens, env_opts=a.env_opts,
                              label=f"[{name}] eval ")
         record = dict(ckpt=out, suite=suite, settings=dict(n=a.eval_n, seeds=1, temperature=1.0), benchmarks=res,
@@ -513,7 +524,13 @@ def get_args(argv=None):
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=preset["grad_ckpt"],
                    help="activation checkpointing")
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
-    p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, flash_attention_2, eager)")
+    p.add_argument("--attn", default="auto", help="attention implementation: auto (flash_attention_2 where "
+                                                 "flash-attn is installed, else sdpa), sdpa, flash_attention_2, eager")
+    p.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm backend: share of GPU memory for the "
+                                                                    "engine (weights + KV cache) while it generates")
+    p.add_argument("--dry-run", action="store_true", help="build the model on the meta device, apply the FSDP2 "
+                   "plan for --world-size ranks, print parameters and memory per rank and the config; no download")
+    p.add_argument("--world-size", type=int, default=None, help="ranks assumed by --dry-run (default $WORLD_SIZE or 8)")
     p.add_argument("--math-data", default=None, help="math train prompts: HF dataset id or local file")
     p.add_argument("--search-corpus", default=None, help="search: wiki-18 style JSONL corpus")
     p.add_argument("--retriever-url", default=None, help="search: Search-R1 style retrieval server URL")
@@ -536,7 +553,10 @@ def check_args(a):
     a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
     a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
     a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
-    checks = [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
+    if a.world_size is None:
+        a.world_size = int(os.environ.get("WORLD_SIZE", "8" if a.dry_run else "1"))
+    ws = a.world_size if a.dry_run else world_size()
+    checks = [(a.world_size >= 1, "--world-size must be >= 1"), (a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
               (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"), (a.lr > 0, "--lr must be > 0"),
               (all(v >= 0 for v in a.steps_by_domain.values()), "--steps must be >= 0"),
               (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
@@ -547,12 +567,12 @@ def check_args(a):
               (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
                "need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0"),
               (a.eval_n is None or a.eval_n >= 0, "--eval-n must be >= 0"), (a.save_every >= 0, "--save-every >= 0"),
-              (all(v % world_size() == 0 for v in a.prompts_by_domain.values()),
-               f"--prompts must be divisible by the world size {world_size()}")]
+              (0 < a.vllm_gpu_util <= 1, "--vllm-gpu-util must be in (0, 1]"),
+              (all(v % ws == 0 for v in a.prompts_by_domain.values()), f"--prompts must be divisible by the world size {ws}")]
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-    local = os.path.sep in a.init or a.init.startswith(".") or a.init.startswith("runs")
+    local = os.path.isdir(a.init) or a.init.startswith((".", os.path.sep, "runs")) or a.init.count("/") != 1
     if local and not os.path.isfile(os.path.join(a.init, "config.json")):
         raise ValueError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
     a.runs = a.runs or os.path.join("runs", a.preset)
@@ -574,6 +594,12 @@ def main(argv=None):
                                  f"or delete it")
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if a.dry_run:
+        try:
+            dry_run(a, a.world_size, a.micro_batch, a.max_tokens)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     device = init_dist()

