@@ -3,8 +3,10 @@
 # Each line's comment gives its cost on a 2-core CPU for the tiny arena (the default).
 #
 #   bash arena.sh                      # the tiny arena on the CPU
-#   ARENA=qwen3-8b NPROC=8 bash arena.sh   # full scale: every training line becomes a torchrun launch of the
-#                                          # qwen3-8b preset (see the README for multi-node flags and services)
+#   ARENA=qwen3-8b NPROC=8 TRAIN_ARGS="--math-data ... --user-url ..." bash arena.sh
+#       full scale: every training line becomes a torchrun launch of the qwen3-8b preset (vLLM rollouts), with
+#       TRAIN_ARGS (data and services) appended, TORCHRUN_ARGS for multi-node (--nnodes, --node-rank,
+#       --rdzv-endpoint) and EVAL_ARGS for evaluate.py's data flags; see the README's full-scale section
 #
 # A killed run restarted with the same command skips what is finished and resumes the rest.
 set -euo pipefail
@@ -15,18 +17,22 @@ RUNS=runs/$ARENA
 if [ "$ARENA" = tiny ]; then
     RUN="python"
     SUITE=tiny
+    EVAL_BACKEND=hf
 else
     RUN="torchrun --nproc_per_node=${NPROC:-8} ${TORCHRUN_ARGS:-}"
     SUITE=full
+    EVAL_BACKEND=vllm
 fi
+TRAIN_ARGS=${TRAIN_ARGS:-}
+EVAL_ARGS=${EVAL_ARGS:-}
 
 BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory (merge.py, analyze.py read it)
 # 1. the base: BPE tokenizer + ~1M-parameter Qwen3 pre-trained on the worlds' text and noisy demos (~6.5 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
 # 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
-$RUN train_seq.py --preset "$ARENA"
+$RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS
 # 3. the four single-task oracles, each one stage from the base (~7 min)
-$RUN train_seq.py --preset "$ARENA" --oracle
+$RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
 python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-* "$RUNS"/oracle/* --out "$RUNS/analysis/seq"
@@ -46,5 +52,5 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 python analyze.py --runs "$RUNS" --base "$BASE"
 # 7. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge; the accuracy matrix
 #    with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~20 min: 12 checkpoints x ~100 s)
-python evaluate.py --suite "$SUITE" --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if} \
-    "$RUNS"/merge/* | tee "$RUNS/scores.md"
+python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/base" "${STAGES[@]}" \
+    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* | tee "$RUNS/scores.md"

@@ -424,12 +424,17 @@ def dry_run(a, world: int, micro_batch: int, seq_len: int, gpu_gb: float = 141.0
         print(f"  {'(host) weights+grads+adam, offloaded':<38} {gb(states):8.2f} GiB")
     vllm = getattr(a, "vllm_gpu_util", 0.0) * gpu_gb * 2**30 if getattr(a, "backend", "hf") == "vllm" else 0.0
     print(f"  {'training total':<38} {gb(total):8.2f} GiB")
-    if vllm:
+    generating = 0.0
+    if vllm:   # while vLLM generates, the sharded training state stays on the GPU beside it
+        generating = vllm + mem["weights+grads+adam (fp32, sharded)"] + mem["reference model (--kl-coef)"]
         print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
-    verdict = "fits" if max(total, vllm) < gpu_gb * 2**30 else "does NOT fit"
-    print(f"peak {gb(max(total, vllm)):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
+        print(f"  {'generation total (vLLM + sharded state)':<38} {gb(generating):8.2f} GiB")
+    peak = max(total, generating)
+    verdict = "fits" if peak < gpu_gb * 2**30 else "does NOT fit"
+    print(f"peak {gb(peak):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
     print(f"resolved config: {vars(a)}")
-    return dict(n_params=n_total, per_rank=per_rank, memory=mem, total=total, fits=verdict == "fits")
+    return dict(n_params=n_total, per_rank=per_rank, memory=mem, total=total, generating=generating, peak=peak,
+                fits=verdict == "fits")
 
 
 # ----------------------------------------------------------------------------- checkpoints tensor by tensor
@@ -480,6 +485,14 @@ def shard_files(ckpt: str) -> dict:
     if not os.path.isfile(single):
         raise FileNotFoundError(f"no safetensors weights in {ckpt} (model.safetensors or its index)")
     return {name: single for name in read_header(single)[0]}
+
+
+def checkpoint_tensors(ckpt: str):
+    """Yield (name, tensor) for every tensor of a HF checkpoint, one at a time, read by seek: how evaluate.py
+    pushes checkpoint after checkpoint into one vLLM engine without loading a model."""
+    files, headers = shard_files(ckpt), {}
+    for name, path in files.items():
+        yield name, read_tensor(path, name, headers)
 
 
 def tensor_infos(files: dict) -> dict:

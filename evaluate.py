@@ -26,7 +26,8 @@ Differences from the paper / notes:
    tau3's telecom and mock domains, whose tools envs/ecommerce.py does not implement at full scale yet.
 2. IFBench ids without a checker in envs/instruct.py are dropped (counted in the log), so IFBench is scored on
    the implemented subset.
-3. The hf backend generates on the CPU; full scale needs a GPU backend (vLLM, not built yet) passed as backend=.
+3. --backend hf generates with transformers on the CPU; --backend vllm runs one vLLM engine (a GPU at full
+   scale) and streams each further checkpoint's weights into it.
 """
 import argparse
 import glob
@@ -120,7 +121,8 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
 def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, seeds=1, k=None,
                    temperature=1.0, batch=64, max_tokens=None, max_turn_tokens=None, env_opts=None, backend=None,
                    sources=None, benchmarks=None, tasks=None, label="") -> dict:
-    """Score an in-memory model on a suite: {benchmark: {mean, std, n, k, seeds, per_seed, metrics, wall_s}}.
+    """Score an in-memory model on a suite: {benchmark: {mean, std, n, k, seeds, per_seed, metrics,
+    response_tokens (policy-sampled tokens per episode), wall_s}}.
 
     seeds: a count (sampling seeds 0..seeds-1) or a list of seeds; each seed is one pass over every benchmark,
         whose score is the mean reward over n tasks x k samples. mean/std are over seeds (std: sample standard
@@ -148,13 +150,14 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
         with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
             for name, (env, items) in tasks.items():
                 kk = k or DEFAULT_K.get(name, 1)
-                per_seed, per_seed_metrics, t0 = [], [], time.time()
+                per_seed, per_seed_metrics, lengths, t0 = [], [], [], time.time()
                 for s in seed_list:
                     t1 = time.time()
                     eps = rollout(backend, tok, [(env, t) for t in items], kk, temperature, max_tokens=max_tokens,
                                   max_turn_tokens=max_turn_tokens, seed=s)
                     dt = time.time() - t1
                     per_seed.append(sum(e.reward for e in eps) / len(eps))
+                    lengths.append(sum(e.n_sampled for e in eps) / len(eps))
                     keys = sorted({m for e in eps for m in e.metrics})
                     per_seed_metrics.append({m: sum(e.metrics.get(m, 0.0) for e in eps) / len(eps) for m in keys})
                     print0(f"{label}{name} seed {s}: {per_seed[-1]:.3f} ({len(items)} tasks x {kk}, {dt:.1f}s, "
@@ -164,23 +167,39 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "mean": statistics.mean(per_seed), "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
                     "n": len(items), "k": kk, "seeds": len(seed_list), "per_seed": per_seed,
                     "metrics": {m: statistics.mean(ms.get(m, 0.0) for ms in per_seed_metrics) for m in keys},
-                    "wall_s": round(time.time() - t0, 1)}
+                    "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1)}
     finally:
         if model is not None:
             model.train(was_training)
     return results
 
 
-def evaluate_ckpt(path, suite="tiny", **kwargs) -> dict:
+_ENGINE = {}   # --backend vllm: one engine per process (vLLM holds one) and the checkpoint it was started from
+
+
+def evaluate_ckpt(path, suite="tiny", backend_name="hf", **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
+    backend_name "vllm": the first checkpoint starts a vLLM engine, later ones are streamed into it tensor by
+    tensor (common.checkpoint_tensors); they must share the first one's architecture (same_tensors checks).
     Returns the record that main() saves: {ckpt, suite, settings, wall_s, code_revision, benchmarks}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise EnvError(f"not a checkpoint directory (no config.json): {path}")
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
     kwargs.setdefault("label", f"[{path}] ")
+    if backend_name == "vllm":
+        from common import checkpoint_tensors, same_tensors
+        from envs.rollout import VLLMBackend
+        if not _ENGINE:
+            _ENGINE.update(first=path, backend=VLLMBackend(path, tok, max_model_len=kwargs.get("max_tokens") or 4096,
+                                                           max_batch=max(kwargs.get("batch", 64), 256)))
+        else:
+            same_tensors(_ENGINE["first"], [path])
+            _ENGINE["backend"].load_weights(checkpoint_tensors(path))
+        model, kwargs["backend"] = None, _ENGINE["backend"]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
     settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label")}
     return {"ckpt": path, "suite": suite, "settings": settings, "wall_s": round(time.time() - t0, 1),
@@ -358,6 +377,8 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=None, help="tasks per benchmark (default: 300 tiny, all full)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--batch", type=int, default=64, help="generation batch size (hf backend)")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="rollout engine: hf (transformers, CPU "
+                   "or GPU) or vllm (one engine; each further checkpoint's weights are streamed into it)")
     p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
     p.add_argument("--splits", default="test,ood", help="tiny suite: comma-separated splits per domain")
     p.add_argument("--benchmarks", default=None, help="full suite: comma-separated benchmarks (default: all of --domains)")
@@ -452,11 +473,12 @@ def main():
                     benchmarks=list(r["tasks"]), n=a.n or defaults["n"], seeds=a.seeds, k=a.k, temperature=a.temperature,
                     batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
                     max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
-                    env_opts=r["env_opts"], threads=torch.get_num_threads())
+                    env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend)
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
     named = {}
     for path, name, _, out in r["ckpts"]:
-        record = evaluate_ckpt(path, a.suite, seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
+        record = evaluate_ckpt(path, a.suite, backend_name=a.backend, seeds=a.seeds, k=a.k, temperature=a.temperature,
+                               batch=a.batch,
                                max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
                                tasks=r["tasks"], label=f"[{name}] ")
         record["settings"] = settings

@@ -74,11 +74,11 @@ PRESETS = {
                  prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=5e-4, max_tokens=1024,
                  max_turn_tokens=256, micro_batch=64, rft_prompts="search=256,ecommerce=64", rft_samples=4,
                  rft_epochs=2, rft_lr=1e-3, eval_n=50, bf16=False, grad_ckpt=False, gen_batch=128,
-                 max_gen_rounds=2),
+                 max_gen_rounds=2, backend="hf", math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
                      group=8, lr=1e-6, max_tokens=8192, max_turn_tokens=2048, micro_batch=4, rft_prompts=2048,
                      rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, bf16=True, grad_ckpt=True,
-                     gen_batch=256, max_gen_rounds=3),
+                     gen_batch=256, max_gen_rounds=3, backend="vllm", math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
 }
 AGENTIC = ("search", "ecommerce")
 
@@ -517,7 +517,8 @@ def get_args(argv=None):
     p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
                                                                         "evaluation (0 = skip)")
     p.add_argument("--save-every", type=int, default=10, help="GRPO steps between resume states (0 = never)")
-    p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="rollout engine")
+    p.add_argument("--backend", default=preset["backend"], choices=["hf", "vllm"],
+                   help="rollout engine: hf (transformers) or vllm (colocated, pip install -r requirements-gpu.txt)")
     p.add_argument("--gen-batch", type=int, default=preset["gen_batch"], help="sequences per generate call")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=preset["bf16"],
                    help="bf16 compute under FSDP2 (MixedPrecisionPolicy)")
@@ -531,7 +532,8 @@ def get_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="build the model on the meta device, apply the FSDP2 "
                    "plan for --world-size ranks, print parameters and memory per rank and the config; no download")
     p.add_argument("--world-size", type=int, default=None, help="ranks assumed by --dry-run (default $WORLD_SIZE or 8)")
-    p.add_argument("--math-data", default=None, help="math train prompts: HF dataset id or local file")
+    p.add_argument("--math-data", default=preset["math_data"], help="math train prompts: HF dataset id or local file "
+                                                                    "(default: the tiny world, or DAPO-Math-17k)")
     p.add_argument("--search-corpus", default=None, help="search: wiki-18 style JSONL corpus")
     p.add_argument("--retriever-url", default=None, help="search: Search-R1 style retrieval server URL")
     p.add_argument("--search-data", default=None, help="search: train QA data (FlashRAG format)")

@@ -29,7 +29,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="runs/tiny/base", help="HF checkpoint (a random tiny model if absent)")
     p.add_argument("--domains", default="math,search,ecommerce,if", help="comma-separated domains")
-    p.add_argument("--n", type=int, default=32, help="test tasks per domain")
+    p.add_argument("--n", type=int, default=16, help="test tasks per domain")
     p.add_argument("--samples", type=int, default=4, help="samples per task")
     p.add_argument("--max-tokens", type=int, default=1024, help="token limit per episode")
     p.add_argument("--max-turn-tokens", type=int, default=256, help="token limit per turn")
@@ -74,15 +74,15 @@ def main(argv=None):
     for d in domains + ["all"]:
         if d == "all":
             (ht, hs), (vt, vs) = tot["hf"], tot["vllm"]
-            hr = vr = float("nan")
         else:
             (ht, hs, hr), (vt, vs, vr) = rows["hf", d], rows["vllm", d]
             tot["hf"][0] += ht
             tot["hf"][1] += hs
             tot["vllm"][0] += vt
             tot["vllm"][1] += vs
+        rewards = "- | -" if d == "all" else f"{hr:.3f} | {vr:.3f}"
         print(f"| {d} | {ht} | {hs:.1f} | {ht / hs:.0f} | {vt} | {vs:.1f} | {vt / vs:.0f} | "
-              f"{(vt / vs) / (ht / hs):.2f}x | {hr:.3f} | {vr:.3f} |")
+              f"{(vt / vs) / (ht / hs):.2f}x | {rewards} |")
 
 
 if __name__ == "__main__":

