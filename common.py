@@ -273,6 +273,21 @@ def resolve_attn(attn: str) -> str:
     return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
+def checkpoint_activations(model):
+    """Activation checkpointing, non-reentrant (the only kind that composes with FSDP2's hooks), through
+    whichever name this transformers has (activation_checkpointing_enable from 5.2x, gradient_... before)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def checkpoints_activations(model) -> bool:
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
 def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False, dtype=torch.float32):
     """(model, tokenizer) from a HF checkpoint, fp32 master weights by default (FSDP2's MixedPrecisionPolicy
     casts for compute)."""
@@ -280,8 +295,8 @@ def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False, 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=resolve_attn(attn))
     model = model.to(device)
-    if grad_ckpt:   # non-reentrant: the only kind that composes with FSDP2's hooks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if grad_ckpt:
+        checkpoint_activations(model)
     return model, tok
 
 
@@ -368,7 +383,8 @@ def dry_run(a, world: int, micro_batch: int, seq_len: int, gpu_gb: float = 141.0
       activations: with activation checkpointing each layer keeps its input (h per token) and one layer is
       recomputed at a time; without it every layer keeps the inputs of its matmuls and norms,
       4h + 3q + 2kv + 4i values per token (q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate);
-      logits: micro_batch x seq_len x vocab x 10 bytes (bf16 logits, their fp32 copy, its gradient);
+      logits: micro_batch x seq_len x vocab at the compute dtype, and their gradient; the float32 log-softmax
+      runs 4,096 tokens at a time and is recomputed in backward (train_seq.selected_logprobs);
       the frozen reference model (--kl-coef > 0): its fp32 shard, 4 P_r;
       the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
     vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
@@ -406,7 +422,7 @@ def dry_run(a, world: int, micro_batch: int, seq_len: int, gpu_gb: float = 141.0
         "weights+grads+adam (fp32, sharded)": 0 if a.cpu_offload else states,
         "gathered params (root + 2 layers)": (root + 2 * layer) * cb + max(root, layer) * 4,
         "activations": acts,
-        "logits (fp32 + grad)": tokens * V * 10,
+        "logits (+ grad; fp32 work chunked)": tokens * V * 2 * cb + min(tokens, 4096) * V * 10,
         "reference model (--kl-coef)": 4 * P_r if a.kl_coef > 0 else 0,
         "hf engine (unsharded copy)": n_total * cb if getattr(a, "backend", "hf") == "hf" and world > 1 else 0,
     }

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import KNOWN_CONFIGS, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
+from common import KNOWN_CONFIGS, checkpoint_activations, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
 
 PEAK_TFLOPS = 989.0   # H100/H200 SXM, bf16 dense
 
@@ -88,7 +88,7 @@ def main(argv=None):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
     if a.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     n_params = sum(t.numel() for t in model.parameters())
     model = shard(model, bf16=cuda, cpu_offload=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)

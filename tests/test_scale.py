@@ -44,7 +44,8 @@ def test_dry_run_scales_with_world_size_and_offload(tmp_path):
     off = train_seq.check_args(train_seq.get_args(base + ["--world-size", "8", "--cpu-offload"]))
     assert dry_run(off, 8, 4, 8192)["memory"]["weights+grads+adam (fp32, sharded)"] == 0
     small = dry_run(a8, 8, 1, 8192)   # a smaller micro-batch shrinks activations and logits only
-    assert small["memory"]["logits (fp32 + grad)"] * 4 == m8["memory"]["logits (fp32 + grad)"]
+    key = "logits (+ grad; fp32 work chunked)"
+    assert small["memory"][key] < m8["memory"][key] < 5 * small["memory"][key]
 
 
 def test_dry_run_command_line_on_a_local_config(tmp_path):

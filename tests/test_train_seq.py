@@ -286,3 +286,44 @@ def test_rft_keeps_only_well_formed_tool_use():
     bad = Episode("t", "search", "train", 1, [1], [1], [0.0], 0, reward=1.0,
                   messages=[{"role": "assistant", "content": '<tool_call>{"name": "search", "argu</tool_call>'}])
     assert well_formed(good.messages) and not well_formed(bad.messages)
+
+
+def test_selected_logprobs_chunked_equals_one_piece():
+    """The chunked, checkpointed log-prob equals the one-piece cross-entropy, values and gradients."""
+    from train_seq import selected_logprobs
+    torch.manual_seed(0)
+    x = torch.randn(3, 50, 97, requires_grad=True)
+    y = torch.randint(0, 97, (3, 50))
+    w = torch.arange(50.0)
+    for temp in (1.0, 0.7):
+        ref = -torch.nn.functional.cross_entropy((x / temp).transpose(1, 2), y, reduction="none")
+        g_ref = torch.autograd.grad((ref * w).sum(), x)[0]
+        got = selected_logprobs(x, y, temp, chunk_tokens=30)     # 10 positions per chunk: 5 chunks
+        g_got = torch.autograd.grad((got * w).sum(), x)[0]
+        assert torch.allclose(got, ref, atol=1e-5) and torch.allclose(g_got, g_ref, atol=1e-5)
+    with torch.no_grad():   # the no-grad path (old log-probs, the reference model) chunks without checkpoints
+        one_piece = -torch.nn.functional.cross_entropy(x.transpose(1, 2), y, reduction="none")
+        assert torch.allclose(selected_logprobs(x, y, 1.0, chunk_tokens=30), one_piece, atol=1e-5)
+
+
+def test_token_logprobs_same_with_activation_checkpointing(micro):
+    """The activation-checkpointing path (prompt and completion as one sequence, logits kept for the completion
+    only) gives the shared-prompt path's log-probs and gradients."""
+    import copy
+
+    from common import checkpoint_activations, checkpoints_activations
+    model, tok = micro
+    eps = [Episode("a", "math", "train", k, [5, 6, 7, 8] + c, [0] * 4 + [1] * len(c), [0.0] * (4 + len(c)), 4)
+           for k, c in enumerate([[9, 10, 11], [12, 13], [14, 15, 16, 17]])]
+    eps.append(Episode("b", "math", "train", 0, [20, 21] + [22, 23], [0, 0, 1, 1], [0.0] * 4, 2))
+    b = train_seq.pack(eps, tok.pad_token_id)
+    plain, ckpt = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    checkpoint_activations(ckpt)
+    assert checkpoints_activations(ckpt) and not checkpoints_activations(plain)
+    out = {}
+    for name, m in (("plain", plain), ("ckpt", ckpt)):
+        lp = train_seq.token_logprobs(m, b, temperature=0.8)
+        (lp * b["mask"]).sum().backward()
+        out[name] = (lp.detach() * b["mask"], [p.grad.clone() for p in m.parameters()])
+    assert torch.allclose(out["plain"][0], out["ckpt"][0], atol=1e-5)
+    assert all(torch.allclose(g1, g2, atol=1e-5) for g1, g2 in zip(out["plain"][1], out["ckpt"][1]))
