@@ -411,7 +411,8 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
                 loss, clip_frac = loss + lo / a.minibatches, clip_frac + cf / a.minibatches
         # ---- wake, then push the new weights into the engine, a few tensors at a time
         backend.wake()
-        push_weights(backend, policy)
+        if n_kept:
+            push_weights(backend, policy)
         dt = time.time() - t_step
         el = time.time() - t0
         tok_s = all_reduce_sum(torch.tensor(float(n_tok))).item() / max(t_gen, 1e-9)

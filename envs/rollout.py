@@ -295,7 +295,7 @@ class VLLMBackend:
     def load_weights(self, named_tensors):
         """The weight push: (HF name, full tensor) pairs, one at a time as common.full_params gathers them, into
         the engine in place; then the prefix cache is dropped (its KV was computed with the old weights)."""
-        named = ((n, t) for n, t in named_tensors)
+        named = iter(named_tensors)
         if self.support["weights"] == "reload_weights":
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=named, is_checkpoint_format=True))
         else:
