@@ -130,6 +130,20 @@ def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all")
     return rows, dropped
 
 
+def copy_rows(pool, n: int, seed: int):
+    """Induction drill: n documents, each a random sequence of tokens drawn from `pool` said three times. Only
+    copying can predict the repeats (the first copy is noise and carries no loss), which is the skill the
+    tiny base lacks: finding a token seen before and reading the one after it. -> rows ("copy", ids, mask).
+    Fresh sequences matter: a model drilled on a few thousand fixed ones memorises them instead."""
+    rng = random.Random(seed + 7)
+    out = []
+    for _ in range(n):
+        L = rng.randint(8, 48)
+        seq = [rng.choice(pool) for _ in range(L)]
+        out.append(("copy", seq * 3, [0] * L + [1] * (2 * L)))
+    return out
+
+
 def make_batches(rows, batch_tokens: int):
     """Length-bucketed batches of about batch_tokens tokens each, never mixing groups: {group: [batch]}."""
     groups = {}
@@ -192,7 +206,7 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
 def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n_demos: int = 3000,
                noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
                max_len: int = 2048, domains=None, threads: int | None = None, loss_on: str = "all",
-               mix: dict | None = None):
+               mix: dict | None = None, copy_docs: int = 0, drill_steps: int = 0, drill_lr: float = 1e-2):
     """Build the tokenizer, the model and pre-train it; save a HF checkpoint at `out`. Returns out."""
     from transformers import Qwen3ForCausalLM
 
@@ -205,6 +219,8 @@ def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n
     texts = [json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"]) for _, x in chats]
     tok = train_tokenizer(texts + [t for _, t in generic], vocab_size)
     rows, dropped = encode_corpus(tok, chats, generic, max_len, loss_on)
+    if copy_docs:   # the drill kept up during pre-training, on the corpus's own tokens
+        rows += copy_rows([t for _, ids, _ in rows for t in ids], copy_docs, seed)
     n_tok = sum(len(r[1]) for r in rows)
     print(f"corpus: {len(chats)} conversations + {len(generic)} generic documents = {n_tok} tokens "
           f"({dropped} over {max_len} tokens dropped); vocab {len(tok)}; built in {time.time() - t0:.1f}s", flush=True)
@@ -212,12 +228,17 @@ def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n
     model = Qwen3ForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3 {size}, {n_params / 1e6:.2f}M parameters", flush=True)
+    if drill_steps:   # phase 1: the drill alone, at a high lr, until copying forms (a sudden drop of its loss)
+        print(f"induction drill: {drill_steps} steps at lr {drill_lr}", flush=True)
+        pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, seed), drill_steps, batch_tokens,
+                 drill_lr, seed, log_every=250)
     losses = pretrain(model, rows, steps, batch_tokens, lr, seed, mix=mix)
     elapsed = time.time() - t0
     meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed,
                 config=dict(size=size, steps=steps, n_demos=n_demos, noise=noise, vocab_size=vocab_size,
                             batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or []),
-                            loss_on=loss_on, mix=mix or {}),
+                            loss_on=loss_on, mix=mix or {}, copy_docs=copy_docs, drill_steps=drill_steps,
+                            drill_lr=drill_lr),
                 n_params=n_params, corpus_tokens=n_tok, final_loss=sum(losses[-50:]) / len(losses[-50:]),
                 build_seconds=round(elapsed, 1))
     save_checkpoint(out, model, tok, meta)
@@ -241,6 +262,11 @@ def main():
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--mix", default="", help="pre-training weight per group, e.g. search=4,math=2 (default 1 each, "
                    "generic text included)")
+    p.add_argument("--drill-steps", type=int, default=0, help="induction drill before pre-training: steps on "
+                   "random token sequences said three times, loss on the repeats (0 = none)")
+    p.add_argument("--drill-lr", type=float, default=1e-2, help="peak learning rate of the drill")
+    p.add_argument("--copy-docs", type=int, default=0, help="drill documents kept in the pre-training mix (group "
+                                                               "'copy'), on the corpus's own tokens")
     p.add_argument("--loss-on", default="all", choices=["all", "assistant"],
                    help="pre-training loss on every token of a conversation, or on assistant tokens only")
     a = p.parse_args()
@@ -249,16 +275,18 @@ def main():
         domains = parse_domains(a.domains)
         if a.steps < 1 or a.n_demos < 1 or not 0 <= a.noise <= 1 or a.lr <= 0 or a.vocab_size < 300:
             raise EnvError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
+        if a.drill_steps < 0 or a.drill_lr <= 0 or a.copy_docs < 0:
+            raise EnvError("need --drill-steps >= 0, --drill-lr > 0, --copy-docs >= 0")
         mix = {}
         for item in filter(None, a.mix.split(",")):
             group, _, w = item.partition("=")
-            if group.strip() not in [*domains, "generic"] or not w.replace(".", "", 1).isdigit() or float(w) <= 0:
+            if group.strip() not in [*domains, "generic", "copy"] or not w.replace(".", "", 1).isdigit() or float(w) <= 0:
                 raise EnvError(f"bad --mix item {item!r}: want group=weight > 0, group one of {', '.join(domains)}, generic")
             mix[group.strip()] = float(w)
     except EnvError as e:
         sys.exit(f"error: {e}")
     build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
-               domains, a.threads, a.loss_on, mix)
+               domains, a.threads, a.loss_on, mix, a.copy_docs, a.drill_steps, a.drill_lr)
 
 
 if __name__ == "__main__":

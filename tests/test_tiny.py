@@ -45,6 +45,7 @@ def test_build_base_end_to_end(tmp_path):
     (["--noise", "1.5"], "--noise"),
     (["--mix", "search=0"], "bad --mix item 'search=0'"),
     (["--mix", "chess=2"], "bad --mix item 'chess=2'"),
+    (["--drill-steps", "-1"], "--drill-steps"),
 ])
 def test_bad_flags_stop_before_writing(tmp_path, args, msg):
     out = tmp_path / "base"
@@ -76,3 +77,23 @@ def test_mix_weights_the_groups_a_step_draws():
         pretrain(model, rows, steps=1500, batch_tokens=3, lr=1e-3, seed=0, log_every=10_000, mix=mix)
         share[bool(mix)] = model.seen.count(2) / len(model.seen)
     assert abs(share[False] - 1 / 3) < 0.05 and abs(share[True] - 3 / 5) < 0.05, share
+
+
+def test_copy_rows_are_fresh_sequences_said_three_times():
+    from envs.tiny import copy_rows
+    rows = copy_rows(list(range(10, 500)), 50, seed=0)
+    assert len({tuple(ids) for _, ids, _ in rows}) == 50
+    for group, ids, mask in rows:
+        L = len(ids) // 3
+        assert group == "copy" and ids == ids[:L] * 3 and 8 <= L <= 48
+        assert mask == [0] * L + [1] * (2 * L)          # no loss on the first copy: it is noise
+
+
+def test_build_base_with_the_drill(tmp_path):
+    out = tmp_path / "base"
+    r = run("--out", str(out), "--size", "micro", "--steps", "10", "--n-demos", "20", "--vocab-size", "400",
+            "--threads", "1", "--drill-steps", "10", "--copy-docs", "30")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "induction drill: 10 steps" in r.stdout
+    cfg = json.loads((out / "acl_meta.json").read_text())["config"]
+    assert cfg["drill_steps"] == 10 and cfg["copy_docs"] == 30
