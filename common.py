@@ -300,9 +300,6 @@ def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False, 
     return model, tok
 
 
-_VLLM_ENGINE = None
-
-
 def make_backend(a, policy, tok, path, device):
     """(backend, engine_model): what rollouts are sampled with. --backend vllm: a colocated vLLM engine
     (engine_model None). Single process + hf: the policy itself.
@@ -311,15 +308,14 @@ def make_backend(a, policy, tok, path, device):
     if a.backend == "vllm":
         # one colocated engine per rank for the whole run (vLLM holds one per process): built from the first
         # checkpoint, then given each later stage's starting weights by a push, like after an update
-        from envs.rollout import VLLMBackend
-        global _VLLM_ENGINE
-        if _VLLM_ENGINE is None:
-            _VLLM_ENGINE = VLLMBackend(path, tok, dtype="bfloat16" if a.bf16 else "float32", gpu_util=a.vllm_gpu_util,
-                                       max_model_len=a.max_tokens, seed=a.seed + rank(), max_batch=a.gen_batch)
-            print0(f"vllm backend: {_VLLM_ENGINE.support}")
+        from envs.rollout import shared_vllm
+        engine, started = shared_vllm(path, tok, dtype="bfloat16" if a.bf16 else "float32", gpu_util=a.vllm_gpu_util,
+                                      max_model_len=a.max_tokens, seed=a.seed + rank(), max_batch=a.gen_batch)
+        if started:
+            print0(f"vllm backend: {engine.support}")
         else:
-            _VLLM_ENGINE.load_weights(full_params(policy))
-        return _VLLM_ENGINE, None
+            engine.load_weights(full_params(policy))
+        return engine, None
     from envs.rollout import HFBackend
     if not sharded():
         return HFBackend(policy, tok, a.gen_batch), policy

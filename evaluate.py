@@ -174,9 +174,6 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     return results
 
 
-_ENGINE = {}   # --backend vllm: one engine per process (vLLM holds one) and the checkpoint it was started from
-
-
 def evaluate_ckpt(path, suite="tiny", backend_name="hf", **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
     backend_name "vllm": the first checkpoint starts a vLLM engine, later ones are streamed into it tensor by
@@ -190,14 +187,13 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", **kwargs) -> dict:
     kwargs.setdefault("label", f"[{path}] ")
     if backend_name == "vllm":
         from common import checkpoint_tensors, same_tensors
-        from envs.rollout import VLLMBackend
-        if not _ENGINE:
-            _ENGINE.update(first=path, backend=VLLMBackend(path, tok, max_model_len=kwargs.get("max_tokens") or 4096,
-                                                           max_batch=max(kwargs.get("batch", 64), 256)))
-        else:
-            same_tensors(_ENGINE["first"], [path])
-            _ENGINE["backend"].load_weights(checkpoint_tensors(path))
-        model, kwargs["backend"] = None, _ENGINE["backend"]
+        from envs.rollout import shared_vllm
+        engine, started = shared_vllm(path, tok, max_model_len=kwargs.get("max_tokens") or 4096,
+                                      max_batch=max(kwargs.get("batch", 64), 256))
+        if not started:
+            same_tensors(engine.path, [path])
+            engine.load_weights(checkpoint_tensors(path))
+        model, kwargs["backend"] = None, engine
     else:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)

