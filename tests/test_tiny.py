@@ -18,10 +18,12 @@ def run(*args, timeout=600):
 def test_build_base_end_to_end(tmp_path):
     out = tmp_path / "base"
     r = run("--out", str(out), "--size", "micro", "--steps", "30", "--n-demos", "40", "--vocab-size", "400",
-            "--threads", "1")
+            "--threads", "1", "--drill-steps", "0")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "induction drill" not in r.stdout            # --drill-steps 0 turns the default drill off
     meta = json.loads((out / "acl_meta.json").read_text())
     assert meta["method"] == "base" and meta["step"] == 30 and meta["config"]["size"] == "micro"
+    assert meta["config"]["mix"] == {"ecommerce": 2.0} and meta["config"]["drill_steps"] == 0   # the default mix
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # nothing half-written left
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
