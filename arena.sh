@@ -27,11 +27,12 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
 
 BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory (merge.py, analyze.py read it)
-# 1. the base: BPE tokenizer + ~1M-parameter Qwen3 pre-trained on the worlds' text and noisy demos (~6.5 min)
+# 1. the base: BPE tokenizer + ~1M-parameter Qwen3, an induction drill, then pre-training on the worlds' text and
+#    noisy demos (~9 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
 # 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
 $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS
-# 3. the four single-task oracles, each one stage from the base (~7 min)
+# 3. the four single-task oracles, each one stage from the base (~6 min)
 $RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
