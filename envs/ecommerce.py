@@ -843,6 +843,17 @@ def scripted_reply(info, user, text):
     return user["goal"]
 
 
+def said_output(output: str, said: str, tiny: bool) -> bool:
+    """Did the agent say a required output? tau-bench's rule is a substring test, kept for real tasks. A tiny
+    task's outputs are small numbers (an order count of 1-3), which a substring test finds in any text with
+    digits in it ("zip 236" says 2 and 3): the tiny policy learned to win count tasks that way. There a
+    numeric output must appear as a whole number."""
+    output = output.lower().replace(",", "")
+    if tiny and re.fullmatch(r"\d+(\.\d+)?", output):
+        return re.search(r"(?<![\d.])" + re.escape(output) + r"(?![\d]|\.\d)", said) is not None
+    return output in said
+
+
 class EcommerceEnv(Env):
     """Retail (tau-bench style) tool use with a simulated user; tiny arena by default, real data with `data`.
 
@@ -986,7 +997,7 @@ class EcommerceEnv(Env):
         said = " ".join(re.sub(r"<tool_call>.*?(</tool_call>|$)", " ", str(m.get("content", "")), flags=re.DOTALL)
                         for m in state.messages if m.get("role") == "assistant")
         said = said.lower().replace(",", "")  # tau-bench ignores thousands separators
-        outputs_ok = all(o.lower() in said for o in state.task.gold["outputs"])
+        outputs_ok = all(said_output(o, said, tiny=state.task.gold["kind"] != "real") for o in state.task.gold["outputs"])
         finished = info["ended"] in ("user_stop", "transfer") and not state.truncated
         success = float(db_match and outputs_ok and finished)
         return success, {"success": success, "db_match": float(db_match), "outputs_ok": float(outputs_ok),
@@ -1008,3 +1019,69 @@ class EcommerceEnv(Env):
             state = play(env, task, expert_turns(task, mistake))
             out.append({"messages": state.messages, "tools": task.tools})
         return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a tiny checkpoint can do, turn by turn (the reward only says whether a whole episode succeeded).
+
+def turn_kind(messages, j) -> str:
+    """The kind of the expert's assistant turn messages[j]: call:<tool>, confirm, ask_identity or answer."""
+    text = messages[j]["content"]
+    calls, _ = parse_tool_calls(text)
+    if calls:
+        return "call:" + calls[0][0]
+    if text.startswith("Please confirm"):
+        return "confirm"
+    return "ask_identity" if not any(m["role"] == "assistant" for m in messages[:j]) else "answer"
+
+
+def turn_accuracy(backend, tok, env, tasks, temperature=0.0, seed=0, max_new_tokens=160):
+    """Teacher-forced on by-the-book tiny episodes: for every assistant turn, given the expert's exact prefix,
+    does the policy write the expert's turn exactly? -> {kind: [turns, exact]} (sampled when temperature > 0)."""
+    import torch
+
+    from envs.rollout import ChatML
+    cm, items = ChatML(tok), []
+    for task in tasks:
+        messages = play(env, task, expert_turns(task)).messages
+        items += [(turn_kind(messages, j), cm.prompt(messages[:j], task.tools), m["content"])
+                  for j, m in enumerate(messages) if m["role"] == "assistant"]
+    torch.manual_seed(seed)
+    gens = backend.generate([p for _, p, _ in items], max_new_tokens, temperature, cm.stop_ids)
+    out = {}
+    for (kind, _, want), g in zip(items, gens):
+        text = tok.decode([t for t in g.token_ids if t != cm.eos], skip_special_tokens=False)
+        row = out.setdefault(kind, [0, 0])
+        row[0] += 1
+        row[1] += text.strip() == want.strip()
+    return out
+
+
+def main():
+    """python -m envs.ecommerce --turns runs/tiny/base --n 80     # per-turn exact match, greedy and sampled"""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--turns", required=True, metavar="CKPT", help="checkpoint to teacher-force on expert episodes")
+    p.add_argument("--n", type=int, default=80, help="tiny tasks")
+    p.add_argument("--split", default="test", choices=["train", "val", "test"])
+    a = p.parse_args()
+    if not os.path.isfile(os.path.join(a.turns, "config.json")):
+        sys.exit(f"error: no checkpoint at {a.turns}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envs.rollout import HFBackend
+    tok = AutoTokenizer.from_pretrained(a.turns)
+    backend = HFBackend(AutoModelForCausalLM.from_pretrained(a.turns), tok)   # from_pretrained: inference mode
+    env = EcommerceEnv()
+    tasks = env.tasks(a.split, n=a.n)
+    greedy, sampled = (turn_accuracy(backend, tok, env, tasks, t) for t in (0.0, 1.0))
+    print("| expert turn | turns | greedy exact | sampled (T=1) exact |\n|---|---|---|---|")
+    for kind in sorted(greedy):
+        n, g = greedy[kind]
+        print(f"| {kind} | {n} | {g / n:.2f} | {sampled[kind][1] / n:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

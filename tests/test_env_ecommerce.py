@@ -107,6 +107,68 @@ def test_missing_required_output_scores_zero():
     assert run(ENV, task, texts)[0][0] == 0.0
 
 
+def test_a_count_is_said_as_a_whole_number_not_inside_other_digits():
+    """The tiny policy once won count tasks with "Sure. address6, zip 236": the count (2) as a substring of
+    a zip. In the tiny world a numeric output must stand as a number of its own; real tasks keep tau-bench's
+    substring rule."""
+    from envs.ecommerce import said_output
+    task = first(TEST, "count")
+    n = task.gold["outputs"][0]
+    texts = expert_turns(task)
+    texts[-1] = f"Sure. address6, zip 9{n}7{n}."        # the digit only inside other numbers
+    (reward, m), _ = run(ENV, task, texts)
+    assert m["db_match"] == 1.0 and m["outputs_ok"] == 0.0 and reward == 0.0
+    texts[-1] = f"You have {n}."                          # a sentence's full stop is not a decimal point
+    assert run(ENV, task, texts)[0][0] == 1.0
+    assert said_output("2", "you have 2 orders", tiny=True) and not said_output("2", "zip 236", tiny=True)
+    assert not said_output("3", "3.5 orders", tiny=True) and not said_output("12", "112", tiny=True)
+    assert said_output("2", "zip 236", tiny=False)       # tau-bench's substring rule for real tasks
+    assert said_output("Blue Kettle", "the blue kettle is back", tiny=True)   # non-numeric: substring
+
+
+def test_turn_accuracy_counts_exact_expert_turns():
+    """turn_accuracy teacher-forces expert episodes: a backend that writes the expert's turn scores 1 on
+    every kind, one that writes something else scores 0."""
+    from envs.ecommerce import turn_accuracy
+    from envs.rollout import ChatML, Generation
+    from envs.tiny import train_tokenizer
+    tasks = TEST[:12]
+    texts = [m["content"] for t in tasks for m in play(ENV, t, expert_turns(t)).messages]
+    tok = train_tokenizer(texts * 3, vocab_size=600)
+    cm = ChatML(tok)
+    want = {}                                             # prompt -> the expert's next turn
+    for t in tasks:
+        msgs = play(ENV, t, expert_turns(t)).messages
+        for j, msg in enumerate(msgs):
+            if msg["role"] == "assistant":
+                want[tuple(cm.prompt(msgs[:j], t.tools))] = msg["content"]
+
+    class Replay:
+        def __init__(self, wrong=False):
+            self.wrong = wrong
+
+        def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
+            out = []
+            for p in prompts:
+                ids = cm.encode("Done?" if self.wrong else want[tuple(p)]) + [cm.eos]
+                out.append(Generation(ids, [0.0] * len(ids), True))
+            return out
+
+    right = turn_accuracy(Replay(), tok, ENV, tasks)
+    assert sum(n for n, _ in right.values()) == len(want) and all(n == k for n, k in right.values())
+    assert {"ask_identity", "confirm", "answer", "call:get_order_details"} <= set(right)
+    assert all(k == 0 for _, k in turn_accuracy(Replay(wrong=True), tok, ENV, tasks).values())
+
+
+def test_turns_cli_needs_a_checkpoint(tmp_path):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "envs.ecommerce", "--turns", str(tmp_path / "none")], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip() == f"error: no checkpoint at {tmp_path / 'none'}"
+
+
 def test_write_without_confirmation_is_refused():
     task = first(TEST, "cancel")
     state = ENV.reset(task)
