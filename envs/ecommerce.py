@@ -1035,17 +1035,25 @@ def turn_kind(messages, j) -> str:
     return "ask_identity" if not any(m["role"] == "assistant" for m in messages[:j]) else "answer"
 
 
+def expert_turn_prompts(env, chatml, tasks) -> list:
+    """Every assistant turn of the by-the-book episodes of `tasks`: [(kind, prompt ids of the expert's exact
+    prefix, the expert's text)]."""
+    items = []
+    for task in tasks:
+        messages = play(env, task, expert_turns(task)).messages
+        items += [(turn_kind(messages, j), chatml.prompt(messages[:j], task.tools), m["content"])
+                  for j, m in enumerate(messages) if m["role"] == "assistant"]
+    return items
+
+
 def turn_accuracy(backend, tok, env, tasks, temperature=0.0, seed=0, max_new_tokens=160):
     """Teacher-forced on by-the-book tiny episodes: for every assistant turn, given the expert's exact prefix,
     does the policy write the expert's turn exactly? -> {kind: [turns, exact]} (sampled when temperature > 0)."""
     import torch
 
     from envs.rollout import ChatML
-    cm, items = ChatML(tok), []
-    for task in tasks:
-        messages = play(env, task, expert_turns(task)).messages
-        items += [(turn_kind(messages, j), cm.prompt(messages[:j], task.tools), m["content"])
-                  for j, m in enumerate(messages) if m["role"] == "assistant"]
+    cm = ChatML(tok)
+    items = expert_turn_prompts(env, cm, tasks)
     torch.manual_seed(seed)
     gens = backend.generate([p for _, p, _ in items], max_new_tokens, temperature, cm.stop_ids)
     out = {}

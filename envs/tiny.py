@@ -273,9 +273,9 @@ def main():
     p.add_argument("--max-len", type=int, default=2048, help="longest sequence the model is built for")
     p.add_argument("--domains", default="math,search,ecommerce,if", help="domains whose demos enter the corpus")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--mix", default="ecommerce=2", help="pre-training weight per group, e.g. search=4,math=2 "
-                   "(1 for a group not named, generic text included; '' = 1 each); the default doubles ecommerce, "
-                   "whose long multi-turn tool calls are the hardest format")
+    p.add_argument("--mix", default=None, help="pre-training weight per group, e.g. search=4,math=2 "
+                   "(1 for a group not named, generic text included; '' = 1 each); default DEFAULT_MIX, "
+                   "ecommerce=2: its long multi-turn tool calls are the hardest format")
     p.add_argument("--drill-steps", type=int, default=3000, help="induction drill before pre-training: at most "
                    "this many steps on random token sequences said three times, loss on the repeats (0 = none)")
     p.add_argument("--drill-lr", type=float, default=1e-2, help="peak learning rate of the drill")
@@ -291,8 +291,8 @@ def main():
             raise EnvError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
         if a.drill_steps < 0 or a.drill_lr <= 0 or a.copy_docs < 0:
             raise EnvError("need --drill-steps >= 0, --drill-lr > 0, --copy-docs >= 0")
-        mix = {}
-        for item in filter(None, a.mix.split(",")):
+        mix = None if a.mix is None else {}   # None: build_base's DEFAULT_MIX
+        for item in filter(None, (a.mix or "").split(",")):
             group, _, w = item.partition("=")
             if group.strip() not in [*DOMAINS, "generic", "copy"] or not w.replace(".", "", 1).isdigit() or float(w) <= 0:
                 raise EnvError(f"bad --mix item {item!r}: want group=weight > 0, group one of "

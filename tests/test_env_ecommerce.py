@@ -129,19 +129,14 @@ def test_a_count_is_said_as_a_whole_number_not_inside_other_digits():
 def test_turn_accuracy_counts_exact_expert_turns():
     """turn_accuracy teacher-forces expert episodes: a backend that writes the expert's turn scores 1 on
     every kind, one that writes something else scores 0."""
-    from envs.ecommerce import turn_accuracy
+    from envs.ecommerce import expert_turn_prompts, turn_accuracy
     from envs.rollout import ChatML, Generation
     from envs.tiny import train_tokenizer
     tasks = TEST[:12]
     texts = [m["content"] for t in tasks for m in play(ENV, t, expert_turns(t)).messages]
     tok = train_tokenizer(texts * 3, vocab_size=600)
     cm = ChatML(tok)
-    want = {}                                             # prompt -> the expert's next turn
-    for t in tasks:
-        msgs = play(ENV, t, expert_turns(t)).messages
-        for j, msg in enumerate(msgs):
-            if msg["role"] == "assistant":
-                want[tuple(cm.prompt(msgs[:j], t.tools))] = msg["content"]
+    want = {tuple(p): text for _, p, text in expert_turn_prompts(ENV, cm, tasks)}   # prompt -> the expert's turn
 
     class Replay:
         def __init__(self, wrong=False):
