@@ -6,6 +6,7 @@ and the prompt cursor.
 Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs; without it, it is a
 single process and every collective below is a no-op.
 """
+import argparse
 import json
 import math
 import os
@@ -300,6 +301,49 @@ def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False, 
     return model, tok
 
 
+def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096):
+    """log softmax(logits / temperature) at the targets: (B, T, V), (B, T) -> (B, T). Computed a time chunk of
+    about chunk_tokens tokens at a time, each chunk checkpointed: its float32 copy, log-softmax and gradient
+    are rebuilt in the backward pass instead of kept, so the logits are held once, at their own dtype (about
+    2 bytes per vocabulary entry under bf16, and their gradient, instead of ~10 bytes; for 4 x 8192 tokens of
+    Qwen3-8B, 46 -> 24 GiB per rank).
+    Values and gradients equal the one-piece computation up to float rounding (tested)."""
+    def piece(x, y):
+        x = x.float()
+        if temperature > 0 and temperature != 1.0:
+            x = x / temperature
+        return -torch.nn.functional.cross_entropy(x.transpose(1, 2), y, reduction="none")
+    step = max(1, chunk_tokens // max(1, logits.size(0)))
+    if logits.size(1) <= step:
+        return piece(logits, targets)
+    from torch.utils.checkpoint import checkpoint
+    out = []
+    for s in range(0, logits.size(1), step):
+        x, y = logits[:, s: s + step], targets[:, s: s + step]
+        out.append(checkpoint(piece, x, y, use_reentrant=False) if x.requires_grad else piece(x, y))
+    return torch.cat(out, 1)
+
+
+def add_scale_flags(p, preset: dict):
+    """The flags of the engine and the sharding (make_backend, shard, dry_run below), shared by the training
+    scripts; `preset` gives the defaults of backend, gen_batch, bf16 and grad_ckpt."""
+    p.add_argument("--backend", default=preset["backend"], choices=["hf", "vllm"],
+                   help="rollout engine: hf (transformers) or vllm (colocated, pip install -r requirements-gpu.txt)")
+    p.add_argument("--gen-batch", type=int, default=preset["gen_batch"], help="sequences per generate call")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=preset["bf16"],
+                   help="bf16 compute under FSDP2 (MixedPrecisionPolicy)")
+    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=preset["grad_ckpt"],
+                   help="activation checkpointing")
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
+    p.add_argument("--attn", default="auto", help="attention implementation: auto (flash_attention_2 where "
+                                                 "flash-attn is installed, else sdpa), sdpa, flash_attention_2, eager")
+    p.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm backend: share of GPU memory for the "
+                                                                    "engine (weights + KV cache) while it generates")
+    p.add_argument("--dry-run", action="store_true", help="build the model on the meta device, apply the FSDP2 "
+                   "plan for --world-size ranks, print parameters and memory per rank and the config; no download")
+    p.add_argument("--world-size", type=int, default=None, help="ranks assumed by --dry-run (default $WORLD_SIZE or 8)")
+
+
 def make_backend(a, policy, tok, path, device):
     """(backend, engine_model): what rollouts are sampled with. --backend vllm: a colocated vLLM engine
     (engine_model None). Single process + hf: the policy itself.
@@ -380,7 +424,7 @@ def dry_run(a, world: int, micro_batch: int, seq_len: int, gpu_gb: float = 141.0
       recomputed at a time; without it every layer keeps the inputs of its matmuls and norms,
       4h + 3q + 2kv + 4i values per token (q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate);
       logits: micro_batch x seq_len x vocab at the compute dtype, and their gradient; the float32 log-softmax
-      runs 4,096 tokens at a time and is recomputed in backward (train_seq.selected_logprobs);
+      runs 4,096 tokens at a time and is recomputed in backward (selected_logprobs);
       the frozen reference model (--kl-coef > 0): its fp32 shard, 4 P_r;
       the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
     vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes

@@ -41,7 +41,7 @@ import time
 import torch
 
 from common import code_revision, print0
-from envs import DOMAINS, EnvError, make_env, parse_domains
+from envs import DOMAINS, EnvError, add_data_flags, env_options, make_env, parse_domains
 from envs.base import SPLITS
 from envs.rollout import HFBackend, rollout
 
@@ -196,6 +196,13 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", **kwargs) -> dict:
         model, kwargs["backend"] = None, engine
     else:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
+    return evaluate_record(model, tok, path, suite, t0, **kwargs)
+
+
+def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
+    """evaluate_model's scores as the record an eval JSON holds (evaluate_ckpt; train_seq.py after each stage):
+    {ckpt, suite, settings, wall_s (since t0, default now), code_revision, evaluated_at, benchmarks}."""
+    t0 = t0 or time.time()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
     settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label")}
     return {"ckpt": path, "suite": suite, "settings": settings, "wall_s": round(time.time() - t0, 1),
@@ -387,12 +394,7 @@ def parse_args(argv=None):
                    help="print and plot the accuracy matrix (automatic when the checkpoints include seq/<i>-<domain>)")
     p.add_argument("--source", action="append", default=[], metavar="NAME=PATH_OR_ID",
                    help="full suite: data of one benchmark, an HF id or a local file/dir (repeatable)")
-    p.add_argument("--search-data", default=None, help="full suite: FlashRAG directory <dataset>/<split>.jsonl")
-    p.add_argument("--search-corpus", default=None, help="full suite: wiki-18 style corpus JSONL for BM25")
-    p.add_argument("--retriever-url", default=None, help="full suite: a Search-R1 retrieval server instead of BM25")
-    p.add_argument("--tau-data", default=None, help="full suite: tau-bench v1 or tau2/tau3 retail data directory")
-    p.add_argument("--user-url", default=None, help="full suite: OpenAI-compatible endpoint of the simulated user")
-    p.add_argument("--user-model", default="gpt-4o", help="full suite: the simulated user's model name")
+    add_data_flags(p)
     return p.parse_args(argv)
 
 
@@ -442,12 +444,7 @@ def resolve(a) -> dict:
         stages = _stages(set(names) | {s for s in saved if STAGE_RE.match(s)}, f"--ckpt and {matrix_dir}")
         if not stages:
             raise EnvError(f"--matrix needs sequential stages (runs/<preset>/seq/<i>-<domain>) in --ckpt or {matrix_dir}")
-    env_opts = {}
-    if a.suite == "full":
-        env_opts["search"] = {k: v for k, v in (("data", a.search_data), ("corpus", a.search_corpus),
-                                                 ("retriever_url", a.retriever_url)) if v}
-        env_opts["ecommerce"] = {k: v for k, v in (("data", a.tau_data), ("user_url", a.user_url),
-                                                    ("user_model", a.user_model)) if v}
+    env_opts = env_options(a) if a.suite == "full" else {}
     benchmarks = [b.strip() for b in a.benchmarks.split(",") if b.strip()] if a.benchmarks else None
     if benchmarks and a.suite != "full":
         raise EnvError("--benchmarks is for the full suite; use --domains and --splits with the tiny suite")

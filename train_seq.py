@@ -44,6 +44,7 @@ import torch
 
 from common import (
     Cursor,
+    add_scale_flags,
     all_reduce_max,
     all_reduce_sum,
     checkpoints_activations,
@@ -61,11 +62,13 @@ from common import (
     save_checkpoint,
     save_train_state,
     seed_all,
+    selected_logprobs,
     shard,
     teardown,
     to_device,
     world_size,
 )
+from envs import add_data_flags, env_options, per_domain
 
 # Defaults per preset; every one is a flag. The tiny preset's numbers fit the whole sequential run plus
 # the four oracles into 15 minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x
@@ -145,29 +148,6 @@ def token_logprobs(model, b: dict, temperature: float = 1.0):
         return torch.cat([selected_logprobs(last[rows, None], c_ids[:, :1], temperature),
                           selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature)], 1)       # (B, Tc)
     return selected_logprobs(logits, c_ids, temperature)
-
-
-def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096):
-    """log softmax(logits / temperature) at the targets: (B, T, V), (B, T) -> (B, T). Computed a time chunk of
-    about chunk_tokens tokens at a time, each chunk checkpointed: its float32 copy, log-softmax and gradient
-    are rebuilt in the backward pass instead of kept, so the logits are held once, at their own dtype (about
-    2 bytes per vocabulary entry under bf16, and their gradient, instead of ~10 bytes; for 4 x 8192 tokens of
-    Qwen3-8B, 46 -> 24 GiB per rank).
-    Values and gradients equal the one-piece computation up to float rounding (tested)."""
-    def piece(x, y):
-        x = x.float()
-        if temperature > 0 and temperature != 1.0:
-            x = x / temperature
-        return -torch.nn.functional.cross_entropy(x.transpose(1, 2), y, reduction="none")
-    step = max(1, chunk_tokens // max(1, logits.size(0)))
-    if logits.size(1) <= step:
-        return piece(logits, targets)
-    from torch.utils.checkpoint import checkpoint
-    out = []
-    for s in range(0, logits.size(1), step):
-        x, y = logits[:, s: s + step], targets[:, s: s + step]
-        out.append(checkpoint(piece, x, y, use_reentrant=False) if x.requires_grad else piece(x, y))
-    return torch.cat(out, 1)
 
 
 def grpo_token_loss(logp, old_logp, sampler_logp, adv, ref_logp, a):
@@ -286,20 +266,6 @@ def group_advantages(episodes, drop_flat: bool = True, eps: float = 1e-6):
 
 
 # ----------------------------------------------------------------------------- the stage loop
-
-def per_domain(flag: str, text, domains) -> dict:
-    """'40' -> every domain 40; 'math=40,search=30' -> per domain (a curriculum domain not named: error)."""
-    try:
-        if "=" not in str(text):
-            return {d: int(text) for d in domains}
-        out = {k.strip(): int(v) for k, _, v in (part.partition("=") for part in text.split(","))}
-    except ValueError:
-        raise ValueError(f"{flag} takes N or domain=N,...; got {text!r}") from None
-    missing = [d for d in domains if d not in out]
-    if missing:
-        raise ValueError(f"{flag} names no count for {', '.join(missing)}")
-    return out
-
 
 def stage_dir(a, i: int, domain: str) -> str:
     return os.path.join(a.runs, "oracle", domain) if a.oracle else os.path.join(a.runs, "seq", f"{i}-{domain}")
@@ -485,19 +451,15 @@ def save(policy, tok, out, a, domain, i, parent, extra):
 def evaluate_stage(model, tok, out, a, seconds, backend=None):
     """Score every domain (each domain's test and ood split on the tiny suite; every benchmark on the full
     one) on rank 0 and write runs/<preset>/eval/<name>.json, the record evaluate.py writes."""
-    from evaluate import evaluate_model, save_results
+    from evaluate import evaluate_record, save_results
     name = os.path.relpath(out, a.runs)
     if rank() == 0:
-        t0 = time.time()
-        suite = "tiny" if a.preset == "tiny" else "full"
-        res = evaluate_model(model, tok, suite=suite, n=a.eval_n or None, seeds=1, batch=a.gen_batch, backend=backend,
-                             max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens, env_opts=a.env_opts,
-                             label=f"[{name}] eval ")
-        record = dict(ckpt=out, suite=suite, settings=dict(n=a.eval_n, seeds=1, temperature=1.0), benchmarks=res,
-                      wall_s=round(time.time() - t0, 1), stage_seconds=round(seconds, 1))
-        save_results(os.path.join(a.runs, "eval", name.replace(os.sep, "-") + ".json"), record)
-        cells = " | ".join(f"{k} {v['mean']:.3f}" for k, v in res.items())
-        print0(f"[{name}] eval ({time.time() - t0:.0f}s; stage took {seconds:.0f}s): {cells}")
+        rec = evaluate_record(model, tok, out, "tiny" if a.preset == "tiny" else "full", n=a.eval_n or None, seeds=1,
+                              batch=a.gen_batch, backend=backend, max_tokens=a.max_tokens, env_opts=a.env_opts,
+                              max_turn_tokens=a.max_turn_tokens, label=f"[{name}] eval ")
+        save_results(os.path.join(a.runs, "eval", name.replace(os.sep, "-") + ".json"), rec | dict(stage_seconds=round(seconds, 1)))
+        cells = " | ".join(f"{k} {v['mean']:.3f}" for k, v in rec["benchmarks"].items())
+        print0(f"[{name}] eval ({rec['wall_s']:.0f}s; stage took {seconds:.0f}s): {cells}")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -542,29 +504,9 @@ def get_args(argv=None):
     p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
                                                                         "evaluation (0 = skip)")
     p.add_argument("--save-every", type=int, default=10, help="GRPO steps between resume states (0 = never)")
-    p.add_argument("--backend", default=preset["backend"], choices=["hf", "vllm"],
-                   help="rollout engine: hf (transformers) or vllm (colocated, pip install -r requirements-gpu.txt)")
-    p.add_argument("--gen-batch", type=int, default=preset["gen_batch"], help="sequences per generate call")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=preset["bf16"],
-                   help="bf16 compute under FSDP2 (MixedPrecisionPolicy)")
-    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=preset["grad_ckpt"],
-                   help="activation checkpointing")
-    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
-    p.add_argument("--attn", default="auto", help="attention implementation: auto (flash_attention_2 where "
-                                                 "flash-attn is installed, else sdpa), sdpa, flash_attention_2, eager")
-    p.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm backend: share of GPU memory for the "
-                                                                    "engine (weights + KV cache) while it generates")
-    p.add_argument("--dry-run", action="store_true", help="build the model on the meta device, apply the FSDP2 "
-                   "plan for --world-size ranks, print parameters and memory per rank and the config; no download")
-    p.add_argument("--world-size", type=int, default=None, help="ranks assumed by --dry-run (default $WORLD_SIZE or 8)")
-    p.add_argument("--math-data", default=preset["math_data"], help="math train prompts: HF dataset id or local file "
-                                                                    "(default: the tiny world, or DAPO-Math-17k)")
-    p.add_argument("--search-corpus", default=None, help="search: wiki-18 style JSONL corpus")
-    p.add_argument("--retriever-url", default=None, help="search: Search-R1 style retrieval server URL")
-    p.add_argument("--search-data", default=None, help="search: train QA data (FlashRAG format)")
-    p.add_argument("--tau-data", default=None, help="ecommerce: tau-bench / tau2 retail data directory")
-    p.add_argument("--user-url", default=None, help="ecommerce: OpenAI-compatible endpoint of the user LLM")
-    p.add_argument("--if-data", default=None, help="if: train prompts (IFEval-format JSONL)")
+    add_scale_flags(p, preset)
+    add_data_flags(p, train=True)
+    p.set_defaults(math_data=preset["math_data"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)
@@ -575,11 +517,11 @@ def check_args(a):
     from envs import EnvError, parse_domains
     try:
         a.curriculum = list(parse_domains(a.curriculum))
+        a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
+        a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
+        a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
     except EnvError as e:
         raise ValueError(str(e)) from None
-    a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
-    a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
-    a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
     if a.world_size is None:
         a.world_size = int(os.environ.get("WORLD_SIZE", "8" if a.dry_run else "1"))
     ws = a.world_size if a.dry_run else world_size()
@@ -603,9 +545,7 @@ def check_args(a):
     if local and not os.path.isfile(os.path.join(a.init, "config.json")):
         raise ValueError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
     a.runs = a.runs or os.path.join("runs", a.preset)
-    opts = dict(math=dict(data=a.math_data), search=dict(corpus=a.search_corpus, retriever_url=a.retriever_url,
-                data=a.search_data), ecommerce=dict(data=a.tau_data, user_url=a.user_url), **{"if": dict(data=a.if_data)})
-    a.env_opts = {d: {k: v for k, v in o.items() if v is not None} for d, o in opts.items()}
+    a.env_opts = env_options(a)
     return a
 
 

@@ -30,3 +30,42 @@ def parse_domains(text: str) -> list:
     if len(set(domains)) != len(domains) or not domains:
         raise EnvError(f"domains must be non-empty and distinct: {text!r}")
     return domains
+
+
+
+def per_domain(flag: str, text, domains) -> dict:
+    """'40' -> every domain 40; 'math=40,search=30' -> per domain (a curriculum domain not named: error)."""
+    try:
+        if "=" not in str(text):
+            return {d: int(text) for d in domains}
+        out = {k.strip(): int(v) for k, _, v in (part.partition("=") for part in text.split(","))}
+    except ValueError:
+        raise EnvError(f"{flag} takes N or domain=N,...; got {text!r}") from None
+    missing = [d for d in domains if d not in out]
+    if missing:
+        raise EnvError(f"{flag} names no count for {', '.join(missing)}")
+    return out
+
+
+def add_data_flags(p, train: bool = False):
+    """The flags that point the environments at real data, shared by train_seq.py (train=True: also the math and
+    if train prompts) and evaluate.py (which names benchmark data with --source). See env_options."""
+    if train:
+        p.add_argument("--math-data", default=None, help="math train prompts: HF dataset id or local file "
+                                                         "(default: the tiny world)")
+        p.add_argument("--if-data", default=None, help="if: train prompts (IFEval-format JSONL)")
+    p.add_argument("--search-data", default=None, help="search: FlashRAG directory <dataset>/<split>.jsonl")
+    p.add_argument("--search-corpus", default=None, help="search: wiki-18 style corpus JSONL for BM25")
+    p.add_argument("--retriever-url", default=None, help="search: a Search-R1 retrieval server instead of BM25")
+    p.add_argument("--tau-data", default=None, help="ecommerce: tau-bench v1 or tau2/tau3 retail data directory")
+    p.add_argument("--user-url", default=None, help="ecommerce: OpenAI-compatible endpoint of the simulated user")
+    p.add_argument("--user-model", default=None, help="ecommerce: the simulated user's model name (default gpt-4o)")
+
+
+def env_options(a) -> dict:
+    """{domain: its Env's constructor arguments} from add_data_flags' flags; flags left unset are left out."""
+    opts = dict(math=dict(data=getattr(a, "math_data", None)),
+                search=dict(data=a.search_data, corpus=a.search_corpus, retriever_url=a.retriever_url),
+                ecommerce=dict(data=a.tau_data, user_url=a.user_url, user_model=a.user_model),
+                **{"if": dict(data=getattr(a, "if_data", None))})
+    return {d: {k: v for k, v in o.items() if v is not None} for d, o in opts.items()}

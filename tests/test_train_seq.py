@@ -290,7 +290,7 @@ def test_rft_keeps_only_well_formed_tool_use():
 
 def test_selected_logprobs_chunked_equals_one_piece():
     """The chunked, checkpointed log-prob equals the one-piece cross-entropy, values and gradients."""
-    from train_seq import selected_logprobs
+    from common import selected_logprobs
     torch.manual_seed(0)
     x = torch.randn(3, 50, 97, requires_grad=True)
     y = torch.randint(0, 97, (3, 50))
