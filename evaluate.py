@@ -43,12 +43,12 @@ import torch
 from common import code_revision, print0
 from envs import DOMAINS, EnvError, add_data_flags, env_options, make_env, parse_domains
 from envs.base import SPLITS
-from envs.rollout import HFBackend, rollout
+from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, HFBackend, rollout
 
 SUITES = ("tiny", "full")
 # Per-suite defaults: tasks per benchmark (None = all), token limits per episode and per assistant turn.
 # Full scale uses Qwen3's native 32k context; the tiny model is built for 1-2k tokens.
-SUITE_DEFAULTS = {"tiny": {"n": 300, "max_tokens": 1024, "max_turn_tokens": 256},
+SUITE_DEFAULTS = {"tiny": {"n": 300, "max_tokens": MAX_TOKENS, "max_turn_tokens": MAX_TURN_TOKENS},
                   "full": {"n": None, "max_tokens": 32768, "max_turn_tokens": 16384}}
 # Full-suite benchmark -> domain, in the paper's table order.
 FULL_BENCHMARKS = {"aime26": "math", "gpqa_diamond": "math", "mmlu_redux": "math",
@@ -139,8 +139,8 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     if not seed_list:
         raise EnvError("seeds must be a positive count or a non-empty list")
-    max_tokens = max_tokens or defaults.get("max_tokens", 1024)
-    max_turn_tokens = max_turn_tokens or defaults.get("max_turn_tokens", 256)
+    max_tokens = max_tokens or defaults.get("max_tokens", MAX_TOKENS)
+    max_turn_tokens = max_turn_tokens or defaults.get("max_turn_tokens", MAX_TURN_TOKENS)
     backend = backend or HFBackend(model, tok, batch)
     was_training = model.training if model is not None else False
     if model is not None:
@@ -385,7 +385,7 @@ def parse_args(argv=None):
     p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
     p.add_argument("--splits", default="test,ood", help="tiny suite: comma-separated splits per domain")
     p.add_argument("--benchmarks", default=None, help="full suite: comma-separated benchmarks (default: all of --domains)")
-    p.add_argument("--max-tokens", type=int, default=None, help="token limit per episode (default: 1024 tiny, 32768 full)")
+    p.add_argument("--max-tokens", type=int, default=None, help="token limit per episode (default: 1536 tiny, 32768 full)")
     p.add_argument("--max-turn-tokens", type=int, default=None,
                    help="token limit per assistant turn (default: 256 tiny, 16384 full)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

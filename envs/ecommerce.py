@@ -437,7 +437,7 @@ TINY_POLICY = {
                "Ask the customer to confirm (yes/no) before any change. Suspend reasons: lost phone, travel.",
 }
 ASK_ID = {"retail": "Sure. What is your email, or your name and zip?", "telecom": "Sure. What is your phone number?"}
-ANSWER = {"count": "You have {} orders.", "bill": "You owe {} dollars."}
+ANSWER = {"amount": "You paid {} dollars.", "bill": "You owe {} dollars."}
 FIRST = ("Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jay", "Kit", "Lou", "Max", "Ned", "Oda",
          "Pam", "Ray", "Sue", "Tom", "Uma", "Vic", "Wes", "Zoe")
 LAST = ("Lee", "Kim", "Diaz", "Ford", "Gray", "Hall", "Khan", "Lopez", "Moss", "Nash", "Park", "Reed", "Shaw",
@@ -450,7 +450,9 @@ PRODUCTS = {"lamp": ("color", ("red", "blue", "green", "black")), "shirt": ("siz
             "kettle": ("material", ("steel", "glass", "plastic")), "bag": ("material", ("leather", "canvas", "nylon")),
             "watch": ("strap", ("metal", "leather", "rubber")), "chair": ("color", ("gray", "black", "white"))}
 PLANS = (("basic", 20, 5), ("plus", 40, 20), ("max", 60, 50))
-RETAIL_KINDS = ("cancel", "address", "return", "exchange", "count")
+# An information task's answer must not be guessable: the tiny arena once asked "How many orders do I have?"
+# (1-3), and RL learned to answer without looking (one guess in three wins); an amount paid is 20-198.
+RETAIL_KINDS = ("cancel", "address", "return", "exchange", "amount")
 TELECOM_KINDS = ("suspend", "resume", "plan", "data", "bill")
 # Users' numbers by split (k % 4): train, val and test never share a user, so test is not memorised.
 RESIDUES = {"train": (0, 1), "val": (2,), "test": (3,), "ood": (0, 1, 2, 3)}
@@ -536,11 +538,11 @@ def _retail_task(rng, split, task_id):
     item = rng.choice(order["items"])
     pm_id = order["payment_history"][0]["payment_method_id"]
     outputs, noise = [], {}
-    if kind == "count":
-        goal = "How many orders do I have?"
-        actions = [find, _act("get_user_details", user_id=uid)]
-        outputs = [str(len(user["orders"]))]
-        noise["wrong_arg"] = str(len(user["orders"]) + 1)
+    if kind == "amount":   # an information request: the answer is read off the order, never guessable
+        goal = f"How much did I pay for order {oid}?"
+        actions = [find, _act("get_order_details", order_id=oid)]
+        outputs = [str(order["payment_history"][0]["amount"])]
+        noise["wrong_arg"] = str(order["payment_history"][0]["amount"] + 10)
     else:
         order["status"] = "pending" if kind in ("cancel", "address") else "delivered"
         actions = [find, _act("get_order_details", order_id=oid)]
@@ -845,9 +847,9 @@ def scripted_reply(info, user, text):
 
 def said_output(output: str, said: str, tiny: bool) -> bool:
     """Did the agent say a required output? tau-bench's rule is a substring test, kept for real tasks. A tiny
-    task's outputs are small numbers (an order count of 1-3), which a substring test finds in any text with
-    digits in it ("zip 236" says 2 and 3): the tiny policy learned to win count tasks that way. There a
-    numeric output must appear as a whole number."""
+    task's outputs are numbers, which a substring test finds in any text with digits in it ("zip 236" says 2
+    and 3): the tiny policy learned to win the (since replaced) order-count tasks that way. There a numeric
+    output must appear as a whole number."""
     output = output.lower().replace(",", "")
     if tiny and re.fullmatch(r"\d+(\.\d+)?", output):
         return re.search(r"(?<![\d.])" + re.escape(output) + r"(?![\d]|\.\d)", said) is not None
@@ -1006,7 +1008,7 @@ class EcommerceEnv(Env):
 
     def demos(self, n, seed=0, noise=0.5):
         """Scripted retail episodes from the train distribution; a `noise` fraction makes one mistake (a
-        wrong order or argument, a skipped confirmation, or no action at all; a wrong count)."""
+        wrong order or argument, a skipped confirmation, or no action at all; a wrong amount)."""
         env = EcommerceEnv()  # always the scripted user, whatever this env was built with
         out = []
         for i in range(n):
@@ -1014,7 +1016,7 @@ class EcommerceEnv(Env):
             task = _retail_task(rng, "train", f"ecommerce-demo-{seed}-{i}")
             mistake = None
             if rng.random() < noise:
-                mistake = "wrong_arg" if task.gold["kind"] == "count" else \
+                mistake = "wrong_arg" if task.gold["kind"] == "amount" else \
                     rng.choice(("wrong_arg", "wrong_order", "no_confirm", "no_action"))
             state = play(env, task, expert_turns(task, mistake))
             out.append({"messages": state.messages, "tools": task.tools})
@@ -1065,8 +1067,21 @@ def turn_accuracy(backend, tok, env, tasks, temperature=0.0, seed=0, max_new_tok
     return out
 
 
+def kind_success(backend, tok, env, tasks, seed=0):
+    """One sampled (T=1) episode per task -> {task kind: [episodes, successes, tool calls]}: which kinds of
+    tiny task a checkpoint finishes (evaluate.py gives only the mean over kinds)."""
+    from envs.rollout import rollout
+    kinds = {t.id: t.gold["kind"] for t in tasks}
+    out = {}
+    for e in rollout(backend, tok, [(env, t) for t in tasks], 1, 1.0, seed=seed):
+        row = out.setdefault(kinds[e.task_id], [0, 0, 0.0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + e.reward, row[2] + e.metrics["tool_calls"]
+    return out
+
+
 def main():
-    """python -m envs.ecommerce --turns runs/tiny/base --n 80     # per-turn exact match, greedy and sampled"""
+    """python -m envs.ecommerce --turns runs/tiny/base --n 80     # per-turn exact match, greedy and sampled;
+                                                                   then success per task kind, sampled"""
     import argparse
     import sys
 
@@ -1089,6 +1104,9 @@ def main():
     for kind in sorted(greedy):
         n, g = greedy[kind]
         print(f"| {kind} | {n} | {g / n:.2f} | {sampled[kind][1] / n:.2f} |")
+    print("\n| task kind | episodes | success (T=1) | tool calls per episode |\n|---|---|---|---|")
+    for kind, (n, ok, calls) in sorted(kind_success(backend, tok, env, tasks).items()):
+        print(f"| {kind} | {n} | {ok / n:.2f} | {calls / n:.1f} |")
 
 
 if __name__ == "__main__":

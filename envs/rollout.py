@@ -24,6 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The tiny arena's limits per episode and per assistant turn (the rollout defaults; evaluate.py's tiny suite
+# and train_seq.py's tiny preset use them too). A by-the-book e-commerce episode runs to ~1,230 tokens (an
+# exchange: four tool answers in JSON); a limit of 1,024 cut every one of them (tests/test_tiny.py checks).
+MAX_TOKENS, MAX_TURN_TOKENS = 1536, 256
+
 
 @dataclass
 class Generation:
@@ -365,7 +370,7 @@ class ChatML:
 
 
 def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, max_turns: int | None = None,
-            max_tokens: int = 1024, max_turn_tokens: int = 256, seed: int | None = None, adapters=None):
+            max_tokens: int = MAX_TOKENS, max_turn_tokens: int = MAX_TURN_TOKENS, seed: int | None = None, adapters=None):
     """Roll out every (env, task) in `items` n_samples times; returns Episodes in items x samples order.
     adapters: None, or a LoRA adapter directory (or None) per item, passed to the backend with each prompt.
 
@@ -435,8 +440,8 @@ def main():
     p.add_argument("--n", type=int, default=100, help="tasks per (domain, split)")
     p.add_argument("--samples", type=int, default=1, help="samples per task")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--max-tokens", type=int, default=1024, help="token limit per episode")
-    p.add_argument("--max-turn-tokens", type=int, default=256, help="token limit per assistant turn")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="token limit per episode")
+    p.add_argument("--max-turn-tokens", type=int, default=MAX_TURN_TOKENS, help="token limit per assistant turn")
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=0, help="print this many transcripts per (domain, split)")

@@ -36,7 +36,7 @@ def run(env, task, texts):
 
 # --- golden transcripts ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["cancel", "address", "return", "exchange", "count"])
+@pytest.mark.parametrize("kind", ["cancel", "address", "return", "exchange", "amount"])
 def test_golden_retail_episode_scores_one(kind):
     task = first(TEST, kind)
     (reward, m), state = run(ENV, task, expert_turns(task))
@@ -98,21 +98,21 @@ def test_extra_database_change_scores_zero():
 
 
 def test_missing_required_output_scores_zero():
-    task = first(TEST, "count")
+    task = first(TEST, "amount")
     texts = expert_turns(task)
-    texts[-1] = "You have some orders."
+    texts[-1] = "You paid some dollars."
     (reward, m), _ = run(ENV, task, texts)
     assert m["db_match"] == 1.0 and m["outputs_ok"] == 0.0 and reward == 0.0
-    texts[-1] = expert_turns(task, "wrong_arg")[-1]  # a wrong count
+    texts[-1] = expert_turns(task, "wrong_arg")[-1]  # a wrong amount
     assert run(ENV, task, texts)[0][0] == 0.0
 
 
-def test_a_count_is_said_as_a_whole_number_not_inside_other_digits():
-    """The tiny policy once won count tasks with "Sure. address6, zip 236": the count (2) as a substring of
-    a zip. In the tiny world a numeric output must stand as a number of its own; real tasks keep tau-bench's
+def test_an_amount_is_said_as_a_whole_number_not_inside_other_digits():
+    """The tiny policy once won order-count tasks with "Sure. address6, zip 236": the count (2) as a substring
+    of a zip. In the tiny world a numeric output must stand as a number of its own; real tasks keep tau-bench's
     substring rule."""
     from envs.ecommerce import said_output
-    task = first(TEST, "count")
+    task = first(TEST, "amount")
     n = task.gold["outputs"][0]
     texts = expert_turns(task)
     texts[-1] = f"Sure. address6, zip 9{n}7{n}."        # the digit only inside other numbers
@@ -153,6 +153,38 @@ def test_turn_accuracy_counts_exact_expert_turns():
     assert sum(n for n, _ in right.values()) == len(want) and all(n == k for n, k in right.values())
     assert {"ask_identity", "confirm", "answer", "call:get_order_details"} <= set(right)
     assert all(k == 0 for _, k in turn_accuracy(Replay(wrong=True), tok, ENV, tasks).values())
+
+
+def test_kind_success_per_task_kind():
+    """kind_success rolls out one episode per task and sums by kind: a backend that plays the expert's turns
+    finishes every kind, one that only says "Done?" finishes none and calls no tool."""
+    from envs.ecommerce import kind_success
+    from envs.rollout import ChatML, Generation
+    from envs.tiny import train_tokenizer
+    tasks = TEST[:15]
+    turns = {t.messages[-1]["content"]: expert_turns(t) for t in tasks}    # the goal -> the expert's turns
+    assert len(turns) == len(tasks)
+    tok = train_tokenizer([m["content"] for t in tasks for m in play(ENV, t, expert_turns(t)).messages] * 3, 600)
+    cm = ChatML(tok)
+
+    class Expert:
+        def __init__(self, wrong=False):
+            self.wrong = wrong
+
+        def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
+            out = []
+            for p in prompts:
+                text = tok.decode(p, skip_special_tokens=False)
+                goal = next(g for g in turns if g in text)
+                said = turns[goal][text.count("<|im_start|>assistant") - 1]
+                ids = cm.encode("Done?" if self.wrong else said) + [cm.eos]
+                out.append(Generation(ids, [0.0] * len(ids), True))
+            return out
+
+    right = kind_success(Expert(), tok, ENV, tasks)
+    assert sum(n for n, _, _ in right.values()) == len(tasks) and all(n == ok for n, ok, _ in right.values())
+    assert len(right) >= 3 and all(calls >= 2 * n for n, _, calls in right.values())
+    assert all(ok == 0 and calls == 0 for _, ok, calls in kind_success(Expert(wrong=True), tok, ENV, tasks).values())
 
 
 def test_turns_cli_needs_a_checkpoint(tmp_path):
@@ -328,7 +360,7 @@ def test_default_sizes_and_ood_is_another_domain():
     assert len(ENV.tasks("test")) == 300 and len(ENV.tasks("ood")) == 300 and len(ENV.tasks("val", n=7)) == 7
     assert {t.gold["world"] for t in OOD} == {"telecom"} and {t.gold["world"] for t in TEST} == {"retail"}
     assert OOD[0].messages[0]["content"] != TEST[0].messages[0]["content"]
-    assert {t.gold["kind"] for t in TEST} == {"cancel", "address", "return", "exchange", "count"}
+    assert {t.gold["kind"] for t in TEST} == {"cancel", "address", "return", "exchange", "amount"}
 
 
 def test_unknown_split_is_a_clear_error():

@@ -99,3 +99,24 @@ def test_build_base_with_the_drill(tmp_path):
     assert "induction drill: at most 10 steps" in r.stdout
     cfg = json.loads((out / "acl_meta.json").read_text())["config"]
     assert cfg["drill_steps"] == 10 and cfg["copy_docs"] == 30
+
+
+def test_tiny_token_limits_fit_every_by_the_book_episode():
+    """A by-the-book e-commerce episode is ~1,000-1,230 tokens under the tiny tokenizer; the old limit of
+    1,024 truncated most of them (a perfect policy scored 0 on every exchange task). Every domain's clean
+    demonstrations must fit the tiny limits with room to spare."""
+    import json
+
+    from envs import DOMAINS, make_env
+    from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS
+    from envs.tiny import build_corpus, train_tokenizer
+    chats, generic = build_corpus(60, 0.0, 0)
+    tok = train_tokenizer([json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"])
+                           for _, x in chats] + [t for _, t in generic], 1024)
+    for d in DOMAINS:
+        for x in make_env(d).demos(60, seed=3, noise=0.0):
+            n = len(tok.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True)["input_ids"])
+            assert n <= 0.9 * MAX_TOKENS, (d, n)
+            for m in x["messages"]:
+                if m["role"] == "assistant":
+                    assert len(tok(m["content"])["input_ids"]) < MAX_TURN_TOKENS, (d, m["content"])
