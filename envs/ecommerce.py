@@ -539,7 +539,7 @@ def _retail_task(rng, split, task_id):
     pm_id = order["payment_history"][0]["payment_method_id"]
     outputs, noise = [], {}
     if kind == "amount":   # an information request: the answer is read off the order, never guessable
-        goal = f"How much did I pay for order {oid}?"
+        goal = f"Tell me what I paid for order {oid}."
         actions = [find, _act("get_order_details", order_id=oid)]
         outputs = [str(order["payment_history"][0]["amount"])]
         noise["wrong_arg"] = str(order["payment_history"][0]["amount"] + 10)
@@ -607,7 +607,7 @@ def _telecom_task(rng, split, task_id):
     outputs, noise = [], {}
     if kind == "bill":
         customers[cid]["balance"] = rng.randint(5, 99)
-        goal = "How much do I owe?"
+        goal = "Tell me what I owe."
         outputs = [str(customers[cid]["balance"])]
         noise["wrong_arg"] = str(customers[cid]["balance"] + 1)  # n+1 never contains n as a substring
     else:
@@ -651,18 +651,25 @@ def _tiny_task(task_id, split, world, kind, db, actions, outputs, goal, identity
 
 def expert_turns(task, mistake=None):
     """The assistant texts of a by-the-book episode for a tiny task (ask identity, look up, confirm, act,
-    tell the user), or of one with a `mistake`: wrong_arg, wrong_order, no_confirm or no_action."""
+    tell the user), or of one with a `mistake`: wrong_arg, wrong_order, no_confirm or no_action.
+    A turn that speaks to the user opens with "Re: <the user's request>", as a support agent restates a
+    ticket. For a small model this is what makes the request reachable when it decides: the first turn
+    copies it from the message just above, and the deciding turn, hundreds of tokens later, copies it
+    from "Re:" on (an induction copy, the skill the tiny base is drilled in) before it writes the
+    confirmation or the answer right after it (without it the tiny base chose the action at random)."""
     g = task.gold
     actions = g["actions"]
     write = actions[-1] if actions[-1]["name"] in WRITES else None
     reads = actions[:-1] if write else actions
-    texts = [ASK_ID[g["world"]]] + [tool_call_text(a["name"], a["arguments"]) for a in reads]
+    re = f"Re: {g['user']['goal']}\n"   # every turn that speaks to the user first restates the request
+    texts = [re + ASK_ID[g["world"]]] + [tool_call_text(a["name"], a["arguments"]) for a in reads]
     if write is None:  # an information request: answer with the required output
-        return texts + [ANSWER[g["kind"]].format(g["noise"]["wrong_arg"] if mistake == "wrong_arg" else g["outputs"][0])]
+        wrong = mistake == "wrong_arg"
+        return texts + [re + ANSWER[g["kind"]].format(g["noise"]["wrong_arg"] if wrong else g["outputs"][0])]
     args = g["noise"][mistake] if mistake in ("wrong_arg", "wrong_order") else write["arguments"]
     if mistake != "no_confirm":
         shown = [", ".join(v) if isinstance(v, list) else str(v) for v in args.values()]
-        texts.append(f"Please confirm (yes/no): {write['name']} {', '.join(s for s in shown if s)}.")
+        texts.append(re + f"Please confirm (yes/no): {write['name']} {', '.join(s for s in shown if s)}.")
     if mistake != "no_action":
         texts.append(tool_call_text(write["name"], args))
     return texts + ["Done."]
@@ -1032,7 +1039,7 @@ def turn_kind(messages, j) -> str:
     calls, _ = parse_tool_calls(text)
     if calls:
         return "call:" + calls[0][0]
-    if text.startswith("Please confirm"):
+    if "Please confirm (yes/no)" in text:
         return "confirm"
     return "ask_identity" if not any(m["role"] == "assistant" for m in messages[:j]) else "answer"
 

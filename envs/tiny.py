@@ -2,8 +2,8 @@
 Qwen3-architecture model of about a million parameters, and its pre-training on generic text plus
 noisy demonstrations from every domain, so the base is weak but not zero everywhere and RL has signal.
 
-    python -m envs.tiny                                  # -> runs/tiny/base, ~9 min on 2 CPU cores
-    python -m envs.tiny --out runs/tiny/base --steps 2000 --seed 0 --drill-steps 3000 --mix ecommerce=2   # the same
+    python -m envs.tiny                                  # -> runs/tiny/base, ~12.5 min on 2 CPU cores
+    python -m envs.tiny --out runs/tiny/base --steps 3000 --seed 0 --drill-steps 3000 --mix ecommerce=4   # the same
     python -m envs.tiny --out runs/tiny/base-nodrill --drill-steps 0     # no induction drill: search at 0% EM
 
 Differences from the paper (which starts from Qwen3-8B-Base):
@@ -133,7 +133,7 @@ def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all")
     return rows, dropped
 
 
-DEFAULT_MIX = {"ecommerce": 2.0}   # pre-training weight per group (1 for the others): see --mix
+DEFAULT_MIX = {"ecommerce": 4.0}   # pre-training weight per group (1 for the others): see --mix
 DRILL_DONE = 0.5   # nats per repeated token: the copy circuit has formed (uniform guessing costs ~6.9)
 
 
@@ -214,7 +214,7 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
     return losses
 
 
-def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n_demos: int = 3000,
+def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n_demos: int = 3000,
                noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
                max_len: int = 2048, domains=None, threads: int | None = None, loss_on: str = "all",
                mix: dict | None = None, copy_docs: int = 0, drill_steps: int = 3000, drill_lr: float = 1e-2):
@@ -262,7 +262,7 @@ def build_base(out: str, steps: int = 2000, seed: int = 0, size: str = "tiny", n
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=2000, help="pre-training steps")
+    p.add_argument("--steps", type=int, default=3000, help="pre-training steps")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the init")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size")
     p.add_argument("--n-demos", type=int, default=3000, help="demonstrations per domain")
@@ -275,7 +275,8 @@ def main():
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--mix", default=None, help="pre-training weight per group, e.g. search=4,math=2 "
                    "(1 for a group not named, generic text included; '' = 1 each); default DEFAULT_MIX, "
-                   "ecommerce=2: its long multi-turn tool calls are the hardest format")
+                   "ecommerce=4: its long multi-turn tool calls are the hardest format (at 2,000 steps this\n"
+                   "much ecommerce stops the base searching; 3,000 steps keep both)")
     p.add_argument("--drill-steps", type=int, default=3000, help="induction drill before pre-training: at most "
                    "this many steps on random token sequences said three times, loss on the repeats (0 = none)")
     p.add_argument("--drill-lr", type=float, default=1e-2, help="peak learning rate of the drill")

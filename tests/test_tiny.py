@@ -23,7 +23,8 @@ def test_build_base_end_to_end(tmp_path):
     assert "induction drill" not in r.stdout            # --drill-steps 0 turns the default drill off
     meta = json.loads((out / "acl_meta.json").read_text())
     assert meta["method"] == "base" and meta["step"] == 30 and meta["config"]["size"] == "micro"
-    assert meta["config"]["mix"] == {"ecommerce": 2.0} and meta["config"]["drill_steps"] == 0   # the default mix
+    from envs.tiny import DEFAULT_MIX
+    assert meta["config"]["mix"] == DEFAULT_MIX == {"ecommerce": 4.0} and meta["config"]["drill_steps"] == 0   # the default mix
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # nothing half-written left
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
