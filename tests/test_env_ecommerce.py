@@ -126,65 +126,57 @@ def test_an_amount_is_said_as_a_whole_number_not_inside_other_digits():
     assert said_output("Blue Kettle", "the blue kettle is back", tiny=True)   # non-numeric: substring
 
 
+class Says:
+    """A generation backend that writes say(prompt ids) and ends its turn."""
+    def __init__(self, cm, say):
+        self.cm, self.say = cm, say
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
+        from envs.rollout import Generation
+        out = []
+        for p in prompts:
+            ids = self.cm.encode(self.say(p)) + [self.cm.eos]
+            out.append(Generation(ids, [0.0] * len(ids), True))
+        return out
+
+
+def expert_tokenizer(tasks):
+    from envs.rollout import ChatML
+    from envs.tiny import train_tokenizer
+    tok = train_tokenizer([m["content"] for t in tasks for m in play(ENV, t, expert_turns(t)).messages] * 3, 600)
+    return tok, ChatML(tok)
+
+
 def test_turn_accuracy_counts_exact_expert_turns():
     """turn_accuracy teacher-forces expert episodes: a backend that writes the expert's turn scores 1 on
     every kind, one that writes something else scores 0."""
     from envs.ecommerce import expert_turn_prompts, turn_accuracy
-    from envs.rollout import ChatML, Generation
-    from envs.tiny import train_tokenizer
     tasks = TEST[:12]
-    texts = [m["content"] for t in tasks for m in play(ENV, t, expert_turns(t)).messages]
-    tok = train_tokenizer(texts * 3, vocab_size=600)
-    cm = ChatML(tok)
+    tok, cm = expert_tokenizer(tasks)
     want = {tuple(p): text for _, p, text in expert_turn_prompts(ENV, cm, tasks)}   # prompt -> the expert's turn
-
-    class Replay:
-        def __init__(self, wrong=False):
-            self.wrong = wrong
-
-        def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
-            out = []
-            for p in prompts:
-                ids = cm.encode("Done?" if self.wrong else want[tuple(p)]) + [cm.eos]
-                out.append(Generation(ids, [0.0] * len(ids), True))
-            return out
-
-    right = turn_accuracy(Replay(), tok, ENV, tasks)
+    right = turn_accuracy(Says(cm, lambda p: want[tuple(p)]), tok, ENV, tasks)
     assert sum(n for n, _ in right.values()) == len(want) and all(n == k for n, k in right.values())
     assert {"ask_identity", "confirm", "answer", "call:get_order_details"} <= set(right)
-    assert all(k == 0 for _, k in turn_accuracy(Replay(wrong=True), tok, ENV, tasks).values())
+    assert all(k == 0 for _, k in turn_accuracy(Says(cm, lambda p: "Done?"), tok, ENV, tasks).values())
 
 
 def test_kind_success_per_task_kind():
     """kind_success rolls out one episode per task and sums by kind: a backend that plays the expert's turns
     finishes every kind, one that only says "Done?" finishes none and calls no tool."""
     from envs.ecommerce import kind_success
-    from envs.rollout import ChatML, Generation
-    from envs.tiny import train_tokenizer
     tasks = TEST[:15]
     turns = {t.messages[-1]["content"]: expert_turns(t) for t in tasks}    # the goal -> the expert's turns
     assert len(turns) == len(tasks)
-    tok = train_tokenizer([m["content"] for t in tasks for m in play(ENV, t, expert_turns(t)).messages] * 3, 600)
-    cm = ChatML(tok)
+    tok, cm = expert_tokenizer(tasks)
 
-    class Expert:
-        def __init__(self, wrong=False):
-            self.wrong = wrong
+    def expert(p):    # the expert's next turn: which task (its goal) and how many assistant turns so far
+        text = tok.decode(p, skip_special_tokens=False)
+        return turns[next(g for g in turns if g in text)][text.count("<|im_start|>assistant") - 1]
 
-        def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
-            out = []
-            for p in prompts:
-                text = tok.decode(p, skip_special_tokens=False)
-                goal = next(g for g in turns if g in text)
-                said = turns[goal][text.count("<|im_start|>assistant") - 1]
-                ids = cm.encode("Done?" if self.wrong else said) + [cm.eos]
-                out.append(Generation(ids, [0.0] * len(ids), True))
-            return out
-
-    right = kind_success(Expert(), tok, ENV, tasks)
+    right = kind_success(Says(cm, expert), tok, ENV, tasks)
     assert sum(n for n, _, _ in right.values()) == len(tasks) and all(n == ok for n, ok, _ in right.values())
     assert len(right) >= 3 and all(calls >= 2 * n for n, _, calls in right.values())
-    assert all(ok == 0 and calls == 0 for _, ok, calls in kind_success(Expert(wrong=True), tok, ENV, tasks).values())
+    assert all(ok == 0 and calls == 0 for _, ok, calls in kind_success(Says(cm, lambda p: "Done?"), tok, ENV, tasks).values())
 
 
 def test_turns_cli_needs_a_checkpoint(tmp_path):
