@@ -78,7 +78,7 @@ PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
                  prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=5e-4, max_tokens=MAX_TOKENS,
                  max_turn_tokens=MAX_TURN_TOKENS, micro_batch=64, rft_prompts="search=256,ecommerce=96", rft_samples=4,
-                 rft_epochs=2, rft_lr=1e-3, eval_n=40, bf16=False, grad_ckpt=False, gen_batch=128,
+                 rft_epochs=2, rft_lr=1e-3, eval_n=30, bf16=False, grad_ckpt=False, gen_batch=128,
                  max_gen_rounds=2, backend="hf", math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
                      group=8, lr=1e-6, max_tokens=8192, max_turn_tokens=2048, micro_batch=4, rft_prompts=2048,
