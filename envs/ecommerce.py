@@ -656,20 +656,21 @@ def expert_turns(task, mistake=None):
     ticket. For a small model this is what makes the request reachable when it decides: the first turn
     copies it from the message just above, and the deciding turn, hundreds of tokens later, copies it
     from "Re:" on (an induction copy, the skill the tiny base is drilled in) before it writes the
-    confirmation or the answer right after it (without it the tiny base chose the action at random)."""
+    confirmation or the answer right after it (without it the tiny base chose the action regardless of
+    the request)."""
     g = task.gold
     actions = g["actions"]
     write = actions[-1] if actions[-1]["name"] in WRITES else None
     reads = actions[:-1] if write else actions
-    re = f"Re: {g['user']['goal']}\n"   # every turn that speaks to the user first restates the request
-    texts = [re + ASK_ID[g["world"]]] + [tool_call_text(a["name"], a["arguments"]) for a in reads]
+    restate = f"Re: {g['user']['goal']}\n"
+    texts = [restate + ASK_ID[g["world"]]] + [tool_call_text(a["name"], a["arguments"]) for a in reads]
     if write is None:  # an information request: answer with the required output
         wrong = mistake == "wrong_arg"
-        return texts + [re + ANSWER[g["kind"]].format(g["noise"]["wrong_arg"] if wrong else g["outputs"][0])]
+        return texts + [restate + ANSWER[g["kind"]].format(g["noise"]["wrong_arg"] if wrong else g["outputs"][0])]
     args = g["noise"][mistake] if mistake in ("wrong_arg", "wrong_order") else write["arguments"]
     if mistake != "no_confirm":
         shown = [", ".join(v) if isinstance(v, list) else str(v) for v in args.values()]
-        texts.append(re + f"Please confirm (yes/no): {write['name']} {', '.join(s for s in shown if s)}.")
+        texts.append(restate + f"Please confirm (yes/no): {write['name']} {', '.join(s for s in shown if s)}.")
     if mistake != "no_action":
         texts.append(tool_call_text(write["name"], args))
     return texts + ["Done."]
