@@ -541,8 +541,8 @@ def _retail_task(rng, split, task_id):
     if kind == "amount":   # an information request: the answer is read off the order, never guessable
         goal = f"Tell me what I paid for order {oid}."
         actions = [find, _act("get_order_details", order_id=oid)]
-        outputs = [str(order["payment_history"][0]["amount"])]
-        noise["wrong_arg"] = str(order["payment_history"][0]["amount"] + 10)
+        paid = order["payment_history"][0]["amount"]
+        outputs, noise["wrong_arg"] = [str(paid)], str(paid + 10)
     else:
         order["status"] = "pending" if kind in ("cancel", "address") else "delivered"
         actions = [find, _act("get_order_details", order_id=oid)]

@@ -113,6 +113,13 @@ def build_corpus(n_demos: int, noise: float, seed: int, domains=None):
     return chats, generic
 
 
+def corpus_tokenizer(chats, generic, vocab_size: int = 1024):
+    """The tokenizer trained on build_corpus's documents: each conversation's tool schemas and messages, and the
+    generic text."""
+    texts = [json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"]) for _, x in chats]
+    return train_tokenizer(texts + [t for _, t in generic], vocab_size)
+
+
 def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all"):
     """-> list of (group, ids, loss_mask); conversations longer than max_len are dropped, not cut.
     loss_on="assistant" masks the loss to assistant tokens (SFT-style); "all" trains on every token."""
@@ -228,8 +235,7 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     seed_all(seed)
     t0 = time.time()
     chats, generic = build_corpus(n_demos, noise, seed, domains)
-    texts = [json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"]) for _, x in chats]
-    tok = train_tokenizer(texts + [t for _, t in generic], vocab_size)
+    tok = corpus_tokenizer(chats, generic, vocab_size)
     rows, dropped = encode_corpus(tok, chats, generic, max_len, loss_on)
     if copy_docs:   # the drill kept up during pre-training, on the corpus's own tokens
         rows += copy_rows([t for _, ids, _ in rows for t in ids], copy_docs, seed)
@@ -275,7 +281,7 @@ def main():
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--mix", default=None, help="pre-training weight per group, e.g. search=4,math=2 "
                    "(1 for a group not named, generic text included; '' = 1 each); default DEFAULT_MIX, "
-                   "ecommerce=4: its long multi-turn tool calls are the hardest format (at 2,000 steps this\n"
+                   "ecommerce=4: its long multi-turn tool calls are the hardest format (at 2,000 steps this "
                    "much ecommerce stops the base searching; 3,000 steps keep both)")
     p.add_argument("--drill-steps", type=int, default=3000, help="induction drill before pre-training: at most "
                    "this many steps on random token sequences said three times, loss on the repeats (0 = none)")

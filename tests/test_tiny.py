@@ -106,14 +106,10 @@ def test_tiny_token_limits_fit_every_by_the_book_episode():
     """A by-the-book e-commerce episode is ~1,000-1,230 tokens under the tiny tokenizer; the old limit of
     1,024 truncated most of them (a perfect policy scored 0 on every exchange task). Every domain's clean
     demonstrations must fit the tiny limits with room to spare."""
-    import json
-
     from envs import DOMAINS, make_env
     from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS
-    from envs.tiny import build_corpus, train_tokenizer
-    chats, generic = build_corpus(60, 0.0, 0)
-    tok = train_tokenizer([json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"])
-                           for _, x in chats] + [t for _, t in generic], 1024)
+    from envs.tiny import build_corpus, corpus_tokenizer
+    tok = corpus_tokenizer(*build_corpus(60, 0.0, 0), 1024)
     for d in DOMAINS:
         for x in make_env(d).demos(60, seed=3, noise=0.0):
             n = len(tok.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True)["input_ids"])
