@@ -76,7 +76,7 @@ from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS
 # a math one; two generation rounds at most (dynamic sampling) because a flat step costs a round each.
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
-                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=5e-4, max_tokens=MAX_TOKENS,
+                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=2e-4, max_tokens=MAX_TOKENS,
                  max_turn_tokens=MAX_TURN_TOKENS, micro_batch=64, rft_prompts="search=256,ecommerce=96", rft_samples=4,
                  rft_epochs=2, rft_lr=1e-3, eval_n=30, bf16=False, grad_ckpt=False, gen_batch=128,
                  max_gen_rounds=2, backend="hf", math_data=None),
