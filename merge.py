@@ -229,7 +229,8 @@ def search_weights(a, files) -> tuple:
                   + f" | {a.search} {obj:.4f} | {time.time() - t0:.1f}s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    best = max(tried, key=lambda x: x[2])  # ties: the first, i.e. uniform before any other point
+    top = max(obj for _, _, obj in tried)   # ties, up to float rounding of the sums (0.06+0.24+0.04+0.12 is
+    best = next(x for x in tried if x[2] >= top - 1e-9)  # not 0.1+0.16+0.08+0.12): the first, i.e. uniform
     return list(best[0]), tried, oracle
 
 

@@ -236,3 +236,20 @@ def test_grid_and_balanced_pick_their_own_winners(ckpts, tmp_path, monkeypatch):
         else:
             assert objectives == {(0.5, 0.5): 0.5, (0.0, 1.0): 0.0, (1.0, 0.0): 0.0}
             assert meta["oracle_val"] == {"math": 1.0, "if": 0.5}
+
+
+def test_search_ties_go_to_the_first_candidate(ckpts, tmp_path, monkeypatch):
+    """Two candidates whose val means are equal but whose float sums are not (0.15 + 0.15 < 0.1 + 0.2): the first
+    listed, the uniform point, wins, as the search promises; a float rounding must not pick the later one."""
+    _, base, models = ckpts
+
+    def fake_scores(ckpt, tasks, domains, batch):
+        lam = json.loads(open(os.path.join(ckpt, "acl_meta.json")).read())["merge"]["weights"]
+        return {(0.5, 0.5): {"math": 0.15, "if": 0.15}, (1.0, 0.0): {"math": 0.1, "if": 0.2}}.get(
+            tuple(lam), {"math": 0.0, "if": 0.0})
+
+    assert 0.1 + 0.2 > 0.15 + 0.15
+    monkeypatch.setattr(merge, "val_scores", fake_scores)
+    merge.main(["--base", base, "--models", *models[:2], "--search", "grid", "--domains", "math,if",
+                "--grid-step", "0.5", "--search-n", "2", "--out", str(tmp_path / "grid")])
+    assert json.loads((tmp_path / "grid" / "acl_meta.json").read_text())["merge"]["weights"] == [0.5, 0.5]
