@@ -30,7 +30,7 @@ BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's direct
 # 1. the base: BPE tokenizer + ~1M-parameter Qwen3, an induction drill, then pre-training on the worlds' text and
 #    noisy demos (~12.5 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
-# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~8 min)
+# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
 $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS
 # 3. the four single-task oracles, each one stage from the base (~7 min)
 $RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS
@@ -43,7 +43,7 @@ python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-* "$RU
 STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # uniform lambda = 1/4 (seconds)
 [ -f "$RUNS/merge/uniform/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform"
-# the best mean val score on a simplex grid of step 0.5, 11 candidates (~3 min)
+# the best mean val score on a simplex grid of step 0.5, 11 candidates (~2.5 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" \
     --search grid --grid-step 0.5 --out "$RUNS/merge/grid"
 # the best worst-domain val score relative to the oracles, same grid (~3 min)
@@ -52,6 +52,6 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # 6. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
 python analyze.py --runs "$RUNS" --base "$BASE"
 # 7. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge; the accuracy matrix
-#    with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~29 min: 12 checkpoints x ~2.4 min)
+#    with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~25 min: 12 checkpoints x ~2.1 min)
 python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/base" "${STAGES[@]}" \
     "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* | tee "$RUNS/scores.md"
