@@ -73,7 +73,8 @@ from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS
 
 # Defaults per preset; every one is a flag. The tiny preset's numbers fit the whole sequential run plus
 # the four oracles into 15 minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x
-# a math one; two generation rounds at most (dynamic sampling) because a flat step costs a round each.
+# a math one; two generation rounds at most (dynamic sampling) because a flat step costs a round each;
+# lr 2e-4 because at 5e-4 the math and search stages wiped the base's ecommerce skill before its stage.
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
                  prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=2e-4, max_tokens=MAX_TOKENS,
