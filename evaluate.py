@@ -385,9 +385,11 @@ def parse_args(argv=None):
     p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
     p.add_argument("--splits", default="test,ood", help="tiny suite: comma-separated splits per domain")
     p.add_argument("--benchmarks", default=None, help="full suite: comma-separated benchmarks (default: all of --domains)")
-    p.add_argument("--max-tokens", type=int, default=None, help="token limit per episode (default: 1536 tiny, 32768 full)")
+    p.add_argument("--max-tokens", type=int, default=None, help="token limit per episode (default: "
+                   + ", ".join(f"{v['max_tokens']} {k}" for k, v in SUITE_DEFAULTS.items()) + ")")
     p.add_argument("--max-turn-tokens", type=int, default=None,
-                   help="token limit per assistant turn (default: 256 tiny, 16384 full)")
+                   help="token limit per assistant turn (default: "
+                   + ", ".join(f"{v['max_turn_tokens']} {k}" for k, v in SUITE_DEFAULTS.items()) + ")")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out-dir", default=None, help="where eval JSONs go (default: runs/<preset>/eval of each checkpoint)")
     p.add_argument("--matrix", action="store_true",

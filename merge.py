@@ -229,8 +229,10 @@ def search_weights(a, files) -> tuple:
                   + f" | {a.search} {obj:.4f} | {time.time() - t0:.1f}s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    top = max(obj for _, _, obj in tried)   # ties, up to float rounding of the sums (0.06+0.24+0.04+0.12 is
-    best = next(x for x in tried if x[2] >= top - 1e-9)  # not 0.1+0.16+0.08+0.12): the first, i.e. uniform
+    # ties go to the first candidate (uniform), also when float rounding of the sums splits them:
+    # 0.1 + 0.16 + 0.08 + 0.12 sums above 0.06 + 0.24 + 0.04 + 0.12
+    top = max(obj for _, _, obj in tried)
+    best = next(x for x in tried if x[2] >= top - 1e-9)
     return list(best[0]), tried, oracle
 
 
