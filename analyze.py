@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from common import read_header, read_meta, read_tensor, same_tensors, shard_files
-from envs import EnvError, make_env
+from envs import UsageError, make_env
 
 GROUPS = ("attention", "mlp", "embeddings", "norms")
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}   # token level: the models' dtype per device
@@ -66,7 +66,7 @@ def displacement_gram(base: str, ckpts: list, chunk_bytes: int = 64 * 1024 ** 2)
     try:
         files = same_tensors(base, ckpts)
     except (FileNotFoundError, ValueError) as e:
-        raise EnvError(str(e)) from None
+        raise UsageError(str(e)) from None
     headers = {}
     names = sorted(files[base])
     n = len(ckpts)
@@ -208,7 +208,7 @@ def token_level(ref: str, ckpts: list, labels: list, a) -> dict:
     from transformers import AutoModelForCausalLM
     domain = read_meta(ref).get("stage") or a.domain
     if domain not in ("math", "search", "ecommerce", "if"):
-        raise EnvError(f"cannot tell the reference's domain from {ref}/acl_meta.json: pass --domain")
+        raise UsageError(f"cannot tell the reference's domain from {ref}/acl_meta.json: pass --domain")
     episodes, tok, ref_model = sample_reference(ref, domain, a.n, a.batch, a.seed, a.device)
     out = {"reference": ref, "domain": domain, "n_prompts": len(episodes),
            "n_positions": sum(len(p) for _, p in episodes), "checkpoints": {}}
@@ -325,14 +325,14 @@ def parse_args(argv=None):
     a.out = a.out or os.path.join(a.runs, "analysis")
     try:
         if a.n < 1 or a.batch < 1 or a.buckets < 1 or a.chunk_mb <= 0:
-            raise EnvError("need --n, --batch, --buckets >= 1 and --chunk-mb > 0")
+            raise UsageError("need --n, --batch, --buckets >= 1 and --chunk-mb > 0")
         if len(a.ckpts) < 2:
-            raise EnvError(f"need at least 2 checkpoints to compare, found {len(a.ckpts)} (pass --ckpts)")
+            raise UsageError(f"need at least 2 checkpoints to compare, found {len(a.ckpts)} (pass --ckpts)")
         for c in [a.base, *a.ckpts] + ([] if a.no_tokens else [a.ref]):
             if not os.path.isfile(os.path.join(c, "config.json")):
-                raise EnvError(f"not a checkpoint directory (no config.json): {c}")
+                raise UsageError(f"not a checkpoint directory (no config.json): {c}")
             shard_files(c)
-    except (EnvError, FileNotFoundError) as e:
+    except (UsageError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     return a
 
@@ -351,7 +351,7 @@ def main(argv=None):
     labels = [label_of(c) for c in a.ckpts]
     try:
         grams = displacement_gram(a.base, a.ckpts, int(a.chunk_mb * 1024 ** 2))
-    except EnvError as e:
+    except UsageError as e:
         sys.exit(f"error: {e}")
     G = grams["all"]
     norms = np.sqrt(np.clip(np.diag(G), 0, None))
@@ -383,7 +383,7 @@ def main(argv=None):
         later = [(c, lab) for c, lab in zip(a.ckpts, labels) if os.path.abspath(c) != ref and not c.endswith("-rft")]
         try:
             result["token"] = token_level(a.ref, [c for c, _ in later], [lab for _, lab in later], a)
-        except EnvError as e:
+        except UsageError as e:
             sys.exit(f"error: {e}")
         plot_consistency(result["token"], os.path.join(a.out, "token_consistency.png"))
         for lab, rep in result["token"]["checkpoints"].items():

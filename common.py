@@ -1,22 +1,24 @@
-"""Plumbing shared by every script, and nothing else: torchrun init/teardown, FSDP2 wrapping, gathering
-a full state dict on rank 0, checkpoints written atomically with their acl_meta.json, seeding, print0;
-for the training scripts: loading a policy, its rollout backend and the weight push into it, collectives,
-and the prompt cursor.
+"""Plumbing shared by every script, and nothing else: processes (torchrun init/teardown, collectives, print0,
+seeding), FSDP2 (sharding, full state dicts, parameters gathered one at a time), files (written atomically;
+checkpoints with their acl_meta.json; the resume state), loading a policy, and safetensors read tensor by tensor.
+The training step that every method runs is train_step.py; the rollout backends are envs/rollout.py.
 
 Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs; without it, it is a
 single process and every collective below is a no-op.
 """
-import argparse
 import json
-import math
 import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- processes
 
 
 def seed_all(seed: int):
@@ -30,7 +32,6 @@ def rank() -> int:
 
 
 def world_size() -> int:
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -39,13 +40,11 @@ def world_size() -> int:
 def sharded() -> bool:
     """True when a process group is up, so models are FSDP2-sharded (under torchrun, even with one rank:
     that is how one GPU gets FSDP2's bf16 MixedPrecisionPolicy)."""
-    import torch.distributed as dist
     return dist.is_available() and dist.is_initialized()
 
 
 def init_dist():
     """-> torch.device for this rank. Starts the process group under torchrun (NCCL on GPU, gloo on CPU)."""
-    import torch.distributed as dist
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
     if cuda:
@@ -60,9 +59,6 @@ def teardown(exit_now: bool = True):
     the process then exits at once (status 0): on CPU, gloo's worker threads can still abort a finished
     rank during interpreter shutdown ("terminate called without an active exception", about 1 run in 4
     after an FSDP2 update), which would fail a run whose work is all done and saved."""
-    import sys
-
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -71,6 +67,40 @@ def teardown(exit_now: bool = True):
             sys.stderr.flush()
             os._exit(0)
 
+
+# Collectives: a Python number in, a Python float out (the same on every rank); the number itself when not
+# distributed.
+def _all_reduce(x: float, op) -> float:
+    if not sharded():
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def all_reduce_sum(x: float) -> float:
+    return _all_reduce(x, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(x: float) -> float:
+    return _all_reduce(x, dist.ReduceOp.MAX)
+
+
+def all_reduce_mean(x: float) -> float:
+    return all_reduce_sum(x) / world_size()
+
+
+def gather_mean(values) -> float:
+    """Mean of a list of numbers over all ranks' lists."""
+    return all_reduce_sum(sum(values)) / max(all_reduce_sum(len(values)), 1.0)
+
+
+def print0(*args, **kwargs):
+    if rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# ----------------------------------------------------------------------------- FSDP2
 
 def shard(model, bf16: bool = False, cpu_offload: bool = False):
     """FSDP2: fully_shard every decoder layer, then the root. With bf16, parameters are cast to bf16 for
@@ -107,14 +137,34 @@ def full_params(model):
         yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of a tensor over ranks (a copy); the tensor itself when not distributed."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return x
-    x = x.detach().clone()
-    dist.all_reduce(x)
-    return x
+# ----------------------------------------------------------------------------- files and checkpoints
+
+def write_file_atomically(path: str, write, suffix: str = "") -> str:
+    """Call write(tmp) on a temporary sibling file, then rename it to `path`: a reader never sees half a file.
+    suffix: the temporary file's extension, for writers that pick the format from it (matplotlib)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}{suffix}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def save_json(path: str, obj) -> str:
+    """obj as indented JSON, written atomically."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+    return write_file_atomically(path, write)
+
+
+def is_checkpoint(path: str) -> bool:
+    """A Hugging Face model directory (config.json in it)."""
+    return os.path.isfile(os.path.join(path, "config.json"))
 
 
 def save_train_state(path: str, model, opt, extra: dict):
@@ -125,12 +175,9 @@ def save_train_state(path: str, model, opt, extra: dict):
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, opt, options=opts)
     if rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         state = dict(model=msd, optim=osd, extra=extra, torch_rng=torch.get_rng_state(),
                      py_rng=random.getstate(), np_rng=np.random.get_state())
-        tmp = f"{path}.tmp-{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        write_file_atomically(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_train_state(path: str, model, opt) -> dict:
@@ -144,37 +191,6 @@ def load_train_state(path: str, model, opt) -> dict:
     random.setstate(state["py_rng"])
     np.random.set_state(state["np_rng"])
     return state["extra"]
-
-
-def all_reduce_mean(x: float) -> float:
-    """Mean of a Python float over ranks (for logging: loss, reward)."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-def all_reduce_max(x: float) -> float:
-    """Max of a Python float over ranks."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([float(x)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def gather_mean(values) -> float:
-    """Mean of a list of floats over all ranks' lists."""
-    s = all_reduce_sum(torch.tensor([float(sum(values)), float(len(values))], dtype=torch.float64))
-    return (s[0] / s[1].clamp(min=1)).item()
-
-
-def print0(*args, **kwargs):
-    if rank() == 0:
-        print(*args, **kwargs, flush=True)
 
 
 def code_revision() -> str:
@@ -240,31 +256,7 @@ def read_meta(ckpt_dir: str) -> dict:
         return json.load(f)
 
 
-# ----------------------------------------------------------------------------- shared by the training scripts
-
-def to_device(b: dict, dev) -> dict:
-    return {k: v.to(dev) for k, v in b.items()}
-
-
-class Cursor:
-    """Walks a seeded shuffle of the train prompts, epoch after epoch; its position is saved on resume.
-    Every rank walks the same order and takes its own slice of each global batch."""
-
-    def __init__(self, n: int, seed: int, pos: int = 0):
-        self.n, self.seed, self.pos = n, seed, pos
-        self._epoch, self._order = None, None
-
-    def take(self, k: int) -> list:
-        out = []
-        for _ in range(k):
-            epoch, i = divmod(self.pos, self.n)
-            if epoch != self._epoch:  # one shuffle per epoch, not one per prompt taken
-                self._epoch, self._order = epoch, list(range(self.n))
-                random.Random(self.seed * 1000 + epoch).shuffle(self._order)
-            out.append(self._order[i])
-            self.pos += 1
-        return out
-
+# ----------------------------------------------------------------------------- loading a policy
 
 def resolve_attn(attn: str) -> str:
     """--attn auto: flash_attention_2 where flash-attn is installed and a GPU is there, sdpa otherwise."""
@@ -299,198 +291,6 @@ def load_policy(path: str, device, attn: str = "sdpa", grad_ckpt: bool = False, 
     if grad_ckpt:
         checkpoint_activations(model)
     return model, tok
-
-
-def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096):
-    """log softmax(logits / temperature) at the targets: (B, T, V), (B, T) -> (B, T). Computed a time chunk of
-    about chunk_tokens tokens at a time, each chunk checkpointed: its float32 copy, log-softmax and gradient
-    are rebuilt in the backward pass instead of kept, so the logits are held once, at their own dtype (about
-    2 bytes per vocabulary entry under bf16, and their gradient, instead of ~10 bytes; for 4 x 8192 tokens of
-    Qwen3-8B, 46 -> 24 GiB per rank).
-    Values and gradients equal the one-piece computation up to float rounding (tested)."""
-    def piece(x, y):
-        x = x.float()
-        if temperature > 0 and temperature != 1.0:
-            x = x / temperature
-        return -torch.nn.functional.cross_entropy(x.transpose(1, 2), y, reduction="none")
-    step = max(1, chunk_tokens // max(1, logits.size(0)))
-    if logits.size(1) <= step:
-        return piece(logits, targets)
-    from torch.utils.checkpoint import checkpoint
-    out = []
-    for s in range(0, logits.size(1), step):
-        x, y = logits[:, s: s + step], targets[:, s: s + step]
-        out.append(checkpoint(piece, x, y, use_reentrant=False) if x.requires_grad else piece(x, y))
-    return torch.cat(out, 1)
-
-
-def add_scale_flags(p, preset: dict):
-    """The flags of the engine and the sharding (make_backend, shard, dry_run below), shared by the training
-    scripts; `preset` gives the defaults of backend, gen_batch, bf16 and grad_ckpt."""
-    p.add_argument("--backend", default=preset["backend"], choices=["hf", "vllm"],
-                   help="rollout engine: hf (transformers) or vllm (colocated, pip install -r requirements-gpu.txt)")
-    p.add_argument("--gen-batch", type=int, default=preset["gen_batch"], help="sequences per generate call")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=preset["bf16"],
-                   help="bf16 compute under FSDP2 (MixedPrecisionPolicy)")
-    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=preset["grad_ckpt"],
-                   help="activation checkpointing")
-    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
-    p.add_argument("--attn", default="auto", help="attention implementation: auto (flash_attention_2 where "
-                                                 "flash-attn is installed, else sdpa), sdpa, flash_attention_2, eager")
-    p.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm backend: share of GPU memory for the "
-                                                                    "engine (weights + KV cache) while it generates")
-    p.add_argument("--dry-run", action="store_true", help="build the model on the meta device, apply the FSDP2 "
-                   "plan for --world-size ranks, print parameters and memory per rank and the config; no download")
-    p.add_argument("--world-size", type=int, default=None, help="ranks assumed by --dry-run (default $WORLD_SIZE or 8)")
-
-
-def make_backend(a, policy, tok, path, device):
-    """(backend, engine_model): what rollouts are sampled with. --backend vllm: a colocated vLLM engine
-    (engine_model None). Single process + hf: the policy itself.
-    Under FSDP2 + hf: an unsharded copy on each rank (bf16 with --bf16), refreshed by push_weights after
-    every update."""
-    if a.backend == "vllm":
-        # one colocated engine per rank for the whole run (vLLM holds one per process): built from the first
-        # checkpoint, then given each later stage's starting weights by a push, like after an update
-        from envs.rollout import shared_vllm
-        engine, started = shared_vllm(path, tok, dtype="bfloat16" if a.bf16 else "float32", gpu_util=a.vllm_gpu_util,
-                                      max_model_len=a.max_tokens, seed=a.seed + rank(), max_batch=a.gen_batch)
-        if started:
-            print0(f"vllm backend: {engine.support}")
-        else:
-            engine.load_weights(full_params(policy))
-        return engine, None
-    from envs.rollout import HFBackend
-    if not sharded():
-        return HFBackend(policy, tok, a.gen_batch), policy
-    engine, _ = load_policy(path, device, a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
-    return HFBackend(engine.eval(), tok, a.gen_batch), engine
-
-
-def push_weights(backend, policy):
-    """After an update: gather the policy's parameters one at a time and copy them into the engine
-    (a no-op when the engine is the policy itself)."""
-    if getattr(backend, "model", None) is not policy:
-        backend.load_weights(full_params(policy))
-
-
-# ----------------------------------------------------------------------------- --dry-run: a launch checked on paper
-# The config.json fields of the hub models the presets and bench/gpu.sh name, so that --dry-run and the GPU
-# benchmark need no download (a local checkpoint's own config.json is read instead).
-KNOWN_CONFIGS = {
-    "Qwen/Qwen3-8B-Base": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-                               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "Qwen/Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
-}
-KNOWN_CONFIGS["Qwen/Qwen3-8B"] = KNOWN_CONFIGS["Qwen/Qwen3-8B-Base"]
-
-
-def model_config(init: str):
-    """The transformers config of --init without downloading: its config.json if it is a local directory,
-    the built-in copy for a model KNOWN_CONFIGS names, else the local hub cache (or a ValueError)."""
-    from transformers import AutoConfig, Qwen3Config
-    if os.path.isfile(os.path.join(init, "config.json")):
-        return AutoConfig.from_pretrained(init)
-    if init in KNOWN_CONFIGS:
-        return Qwen3Config(**KNOWN_CONFIGS[init])
-    try:
-        return AutoConfig.from_pretrained(init, local_files_only=True)
-    except OSError:
-        raise ValueError(f"no config for {init}: not a local checkpoint, not cached, not one of "
-                         f"{', '.join(KNOWN_CONFIGS)}") from None
-
-
-def shard_rows(n: int, world: int, r: int) -> int:
-    """Rows of a dim-0 size n that FSDP2 puts on rank r: torch.chunk's split (ceil(n / world) per rank,
-    the last ranks short or empty)."""
-    per = -(-n // world)
-    return max(0, min(per, n - r * per))
-
-
-def dry_run(a, world: int, micro_batch: int, seq_len: int, gpu_gb: float = 141.0):
-    """Build --init's architecture on the meta device (no weights, no download), apply shard()'s FSDP2 plan
-    under a fake process group of `world` ranks, and print the parameters per rank, an estimate of the
-    memory per rank and the resolved configuration. Returns the figures (tests read them).
-
-    Memory per rank, in bytes, P_r = this rank's parameters (FSDP2 shards every tensor on dim 0):
-      fp32 master weights 4 P_r + fp32 gradients 4 P_r + AdamW moments 8 P_r (on the host with --cpu-offload);
-      the all-gathered unit: the root (embeddings, lm_head, final norm; gathered for the whole step) plus two
-      decoder layers (the one computing and the one prefetched), at the compute dtype, plus the largest unit's
-      unsharded fp32 gradient before its reduce-scatter;
-      activations: with activation checkpointing each layer keeps its input (h per token) and one layer is
-      recomputed at a time; without it every layer keeps the inputs of its matmuls and norms,
-      4h + 3q + 2kv + 4i values per token (q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate);
-      logits: micro_batch x seq_len x vocab at the compute dtype, and their gradient; the float32 log-softmax
-      runs 4,096 tokens at a time and is recomputed in backward (selected_logprobs);
-      the frozen reference model (--kl-coef > 0): its fp32 shard, 4 P_r;
-      the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
-    vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
-    --vllm-gpu-util of the GPU while generating, so it is listed apart."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-    from transformers import AutoModelForCausalLM
-    cfg = model_config(a.init)
-    if dist.is_initialized():
-        raise RuntimeError("--dry-run runs in one process, not under torchrun")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        n_total = sum(p.numel() for p in model.parameters())
-        layer = sum(p.numel() for p in model.model.layers[0].parameters())
-        root = n_total - layer * len(model.model.layers)
-        shapes = [tuple(p.shape) for p in model.parameters()]
-        shard(model, bf16=a.bf16, cpu_offload=a.cpu_offload)
-        local0 = sum(p.to_local().numel() for p in model.parameters())   # what FSDP2 really put on rank 0
-    finally:
-        dist.destroy_process_group()
-    per_rank = [sum(shard_rows(s[0], world, r) * math.prod(s[1:]) for s in shapes) for r in range(world)]
-    assert per_rank[0] == local0, (per_rank[0], local0)   # the chunk rule above is FSDP2's
-    P_r = max(per_rank)
-    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    cb = 2 if a.bf16 else 4                                  # compute dtype bytes
-    tokens = micro_batch * seq_len
-    per_layer_acts = (4 * h + 3 * q + 2 * kv + 4 * i) * cb * tokens
-    acts = (L * h * cb * tokens + per_layer_acts) if a.grad_ckpt else L * per_layer_acts
-    states = 16 * P_r
-    mem = {
-        "weights+grads+adam (fp32, sharded)": 0 if a.cpu_offload else states,
-        "gathered params (root + 2 layers)": (root + 2 * layer) * cb + max(root, layer) * 4,
-        "activations": acts,
-        "logits (+ grad; fp32 work chunked)": tokens * V * 2 * cb + min(tokens, 4096) * V * 10,
-        "reference model (--kl-coef)": 4 * P_r if a.kl_coef > 0 else 0,
-        "hf engine (unsharded copy)": n_total * cb if getattr(a, "backend", "hf") == "hf" and world > 1 else 0,
-    }
-    gb = lambda x: x / 2**30
-    total = sum(mem.values())
-    print(f"dry run: {a.init} ({cfg.model_type}, {n_total / 1e9:.3f}B parameters) on {world} ranks, FSDP2 plan: "
-          f"each of {L} decoder layers, then the root; bf16 compute {a.bf16}, activation checkpointing "
-          f"{a.grad_ckpt}, cpu offload {a.cpu_offload}, attention {resolve_attn(a.attn)}")
-    print(f"parameters per rank: max {P_r / 1e6:.1f}M, min {min(per_rank) / 1e6:.1f}M "
-          f"(one layer {layer / 1e6:.1f}M, root {root / 1e6:.1f}M)")
-    print(f"estimated GPU memory per rank, micro-batch {micro_batch} x {seq_len} tokens:")
-    for k, v in mem.items():
-        print(f"  {k:<38} {gb(v):8.2f} GiB")
-    if a.cpu_offload:
-        print(f"  {'(host) weights+grads+adam, offloaded':<38} {gb(states):8.2f} GiB")
-    vllm = getattr(a, "vllm_gpu_util", 0.0) * gpu_gb * 2**30 if getattr(a, "backend", "hf") == "vllm" else 0.0
-    print(f"  {'training total':<38} {gb(total):8.2f} GiB")
-    generating = 0.0
-    if vllm:   # while vLLM generates, the sharded training state stays on the GPU beside it
-        generating = vllm + mem["weights+grads+adam (fp32, sharded)"] + mem["reference model (--kl-coef)"]
-        print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
-        print(f"  {'generation total (vLLM + sharded state)':<38} {gb(generating):8.2f} GiB")
-    peak = max(total, generating)
-    verdict = "fits" if peak < gpu_gb * 2**30 else "does NOT fit"
-    print(f"peak {gb(peak):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
-    print(f"resolved config: {vars(a)}")
-    return dict(n_params=n_total, per_rank=per_rank, memory=mem, total=total, generating=generating, peak=peak,
-                fits=verdict == "fits")
 
 
 # ----------------------------------------------------------------------------- checkpoints tensor by tensor

@@ -40,10 +40,10 @@ import time
 
 import torch
 
-from common import code_revision, print0
-from envs import DOMAINS, EnvError, add_data_flags, env_options, make_env, parse_domains
+from common import code_revision, is_checkpoint, print0, save_json, write_file_atomically
+from envs import DOMAINS, UsageError, add_data_flags, env_options, make_env, parse_domains
 from envs.base import SPLITS
-from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, HFBackend, rollout
+from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, HFBackend, make_backend, rollout
 
 SUITES = ("tiny", "full")
 # Per-suite defaults: tasks per benchmark (None = all), token limits per episode and per assistant turn.
@@ -65,7 +65,7 @@ STAGE_RE = re.compile(r"^seq-(\d+)-(.+)$")  # eval name of a sequential stage: s
 
 def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, env_opts=None, sources=None,
                     benchmarks=None) -> dict:
-    """{benchmark: (env, tasks)} of a suite; raises EnvError on a bad name, split or data source.
+    """{benchmark: (env, tasks)} of a suite; raises UsageError on a bad name, split or data source.
 
     tiny: `<domain>/<split>` for every domain and split, n tasks each (default 300) from the tiny worlds (task
     seed 0, so every checkpoint and every seed sees the same tasks).
@@ -74,10 +74,10 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
     data/corpus/retriever_url; ecommerce: data/user_url/user_model). `splits` is not used by the full suite."""
     env_opts, sources = env_opts or {}, sources or {}
     if suite not in SUITES:
-        raise EnvError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
+        raise UsageError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
     for d in domains:
         if d not in DOMAINS:
-            raise EnvError(f"unknown domain {d!r}; expected one of {', '.join(DOMAINS)}")
+            raise UsageError(f"unknown domain {d!r}; expected one of {', '.join(DOMAINS)}")
     n = SUITE_DEFAULTS[suite]["n"] if n is None else n
     out = {}
     if suite == "tiny":
@@ -89,7 +89,7 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
         names = list(benchmarks) if benchmarks else [b for b, d in FULL_BENCHMARKS.items() if d in domains]
         unknown = [b for b in list(names) + list(sources) if b not in FULL_BENCHMARKS]
         if unknown:
-            raise EnvError(f"unknown full-suite benchmark {unknown[0]!r}; expected one of {', '.join(FULL_BENCHMARKS)}")
+            raise UsageError(f"unknown full-suite benchmark {unknown[0]!r}; expected one of {', '.join(FULL_BENCHMARKS)}")
         envs = {}  # one env per domain: the search env may hold a BM25 index over all of wiki-18
         for b in names:
             d = FULL_BENCHMARKS[b]
@@ -98,7 +98,7 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
                 data = sources.get(b) or (opts.get("data") if b == "tau_retail" else None)
                 if not data:
                     flag = "--tau-data DIR or --source tau_retail=DIR" if b == "tau_retail" else f"--source {b}=DIR"
-                    raise EnvError(f"{b} needs a tau-bench/tau2 data directory: pass {flag}")
+                    raise UsageError(f"{b} needs a tau-bench/tau2 data directory: pass {flag}")
                 env = make_env(d, **dict(opts, data=data))
                 tasks = env.tasks("test", n=n)
             elif d == "if":  # IFBench has ids without a checker here: drop those rows (counted) rather than fail
@@ -112,7 +112,7 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
             out[b] = (env, tasks)
     for name, (_, tasks) in out.items():
         if not tasks:
-            raise EnvError(f"benchmark {name} has no tasks")
+            raise UsageError(f"benchmark {name} has no tasks")
     return out
 
 
@@ -138,7 +138,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     tasks = tasks if tasks is not None else load_benchmarks(suite, domains, splits, n, env_opts, sources, benchmarks)
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     if not seed_list:
-        raise EnvError("seeds must be a positive count or a non-empty list")
+        raise UsageError("seeds must be a positive count or a non-empty list")
     max_tokens = max_tokens or defaults.get("max_tokens", MAX_TOKENS)
     max_turn_tokens = max_turn_tokens or defaults.get("max_turn_tokens", MAX_TURN_TOKENS)
     backend = backend or HFBackend(model, tok, batch)
@@ -176,26 +176,18 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
 
 def evaluate_ckpt(path, suite="tiny", backend_name="hf", **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
-    backend_name "vllm": the first checkpoint starts a vLLM engine, later ones are streamed into it tensor by
-    tensor (common.checkpoint_tensors); they must share the first one's architecture (same_tensors checks).
+    The backend comes from envs.rollout.make_backend: "vllm" starts one engine with the first checkpoint and
+    streams each later one into it tensor by tensor (they must share the first one's architecture).
     Returns the record that main() saves: {ckpt, suite, settings, wall_s, code_revision, benchmarks}."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise EnvError(f"not a checkpoint directory (no config.json): {path}")
+    from transformers import AutoTokenizer
+    if not is_checkpoint(path):
+        raise UsageError(f"not a checkpoint directory (no config.json): {path}")
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(path)
     kwargs.setdefault("label", f"[{path}] ")
-    if backend_name == "vllm":
-        from common import checkpoint_tensors, same_tensors
-        from envs.rollout import shared_vllm
-        engine, started = shared_vllm(path, tok, max_model_len=kwargs.get("max_tokens") or 4096,
-                                      max_batch=max(kwargs.get("batch", 64), 256))
-        if not started:
-            same_tensors(engine.path, [path])
-            engine.load_weights(checkpoint_tensors(path))
-        model, kwargs["backend"] = None, engine
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    batch = kwargs.get("batch", 64) if backend_name == "hf" else max(kwargs.get("batch", 64), 256)
+    kwargs["backend"], model = make_backend(backend_name, tok, path, gen_batch=batch,
+                                            max_tokens=kwargs.get("max_tokens") or 4096)
     return evaluate_record(model, tok, path, suite, t0, **kwargs)
 
 
@@ -212,12 +204,13 @@ def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
 
 def save_results(path, results):
     """Write results (a record or a {benchmark: ...} dict) as JSON atomically: a reader never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2, default=str)
-    os.replace(tmp, path)
-    return path
+    return save_json(path, results)
+
+
+def inrun_path(eval_dir, name):
+    """Where a training script's in-run evaluation of checkpoint `name` goes: eval/inrun/<name>.json, apart from
+    evaluate.py's own records (eval/<name>.json), which it must never replace: it runs on fewer tasks."""
+    return os.path.join(eval_dir, "inrun", f"{name}.json")
 
 
 def load_results(path) -> dict:
@@ -303,6 +296,10 @@ def matrix_table(m) -> str:
     lines += [f"| {row} | " + " | ".join(_fmt(x) for x in vals) + " |" for row, vals in zip(m["rows"], m["matrix"])]
     lines.append("| forgetting | " + " | ".join(_fmt(m["forgetting"].get(d)) for d in m["domains"]) + " |")
     lines.append(f"\nBWT {_fmt(m['bwt'])} | FWT {_fmt(m['fwt'])} | mean forgetting {_fmt(m['forgetting_mean'])}")
+    src = m.get("sources", {})
+    earlier = [f"{row} <- {src[row]}" for row in m["rows"] if src.get(row, "this run") != "this run"]
+    if earlier:   # rows not evaluated now, with their file and task count (an in-run record has fewer tasks)
+        lines.append("rows from saved results: " + ", ".join(earlier))
     return "\n".join(lines)
 
 
@@ -333,11 +330,8 @@ def save_figure(fig, path):
     """Write a matplotlib figure as a PNG atomically and close it; returns path."""
     import matplotlib.pyplot as plt
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120)
+    write_file_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120), suffix=".png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 
@@ -360,13 +354,13 @@ def _stages(names, label) -> list:
         m = STAGE_RE.match(name)
         if m:
             if m.group(2) not in DOMAINS:
-                raise EnvError(f"unknown domain {m.group(2)!r} in stage {name} ({label}); expected one of "
+                raise UsageError(f"unknown domain {m.group(2)!r} in stage {name} ({label}); expected one of "
                                f"{', '.join(DOMAINS)}")
             stages.append((int(m.group(1)), name, m.group(2)))
     stages.sort()
     numbers, domains = [s[0] for s in stages], [s[2] for s in stages]
     if len(set(numbers)) != len(numbers) or len(set(domains)) != len(domains):
-        raise EnvError(f"sequential stages repeat a number or a domain: {', '.join(s[1] for s in stages)}")
+        raise UsageError(f"sequential stages repeat a number or a domain: {', '.join(s[1] for s in stages)}")
     return stages
 
 
@@ -401,55 +395,56 @@ def parse_args(argv=None):
 
 
 def resolve(a) -> dict:
-    """Check every argument and load the benchmarks; EnvError (one line) on bad input, before anything is written."""
+    """Check every argument and load the benchmarks; UsageError (one line) on bad input, before anything is written."""
     if a.suite not in SUITES:
-        raise EnvError(f"unknown suite {a.suite!r}; expected one of {', '.join(SUITES)}")
+        raise UsageError(f"unknown suite {a.suite!r}; expected one of {', '.join(SUITES)}")
     for flag in ("seeds", "k", "n", "batch", "max_tokens", "max_turn_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
-            raise EnvError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     if a.temperature < 0 or a.threads < 0:
-        raise EnvError("--temperature and --threads must be >= 0")
+        raise UsageError("--temperature and --threads must be >= 0")
     domains = parse_domains(a.domains)
     splits = [s.strip() for s in a.splits.split(",") if s.strip()]
     for s in splits or [""]:
         if s not in SPLITS:
-            raise EnvError(f"unknown split {s!r} in --splits; expected a subset of {','.join(SPLITS)}")
+            raise UsageError(f"unknown split {s!r} in --splits; expected a subset of {','.join(SPLITS)}")
     sources = {}
     for item in a.source:
         name, sep, value = item.partition("=")
         if not sep or not name or not value:
-            raise EnvError(f"--source expects NAME=PATH_OR_ID, got {item!r}")
+            raise UsageError(f"--source expects NAME=PATH_OR_ID, got {item!r}")
         sources[name.strip()] = value.strip()
     if sources and a.suite != "full":
-        raise EnvError("--source is for the full suite")
+        raise UsageError("--source is for the full suite")
     ckpts, seen = [], {}
     for path in a.ckpt:
         if not os.path.isdir(path):
-            raise EnvError(f"checkpoint directory not found: {path}")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise EnvError(f"not a checkpoint directory (no config.json): {path}")
+            raise UsageError(f"checkpoint directory not found: {path}")
+        if not is_checkpoint(path):
+            raise UsageError(f"not a checkpoint directory (no config.json): {path}")
         eval_dir, name = run_name(path)
         eval_dir = a.out_dir or eval_dir
         if eval_dir is None:
-            raise EnvError(f"cannot tell the preset of {path} (not under runs/<preset>/): pass --out-dir")
+            raise UsageError(f"cannot tell the preset of {path} (not under runs/<preset>/): pass --out-dir")
         out = os.path.join(eval_dir, f"{name}.json")
         if out in seen:
-            raise EnvError(f"{path} and {seen[out]} would both be saved as {out}")
+            raise UsageError(f"{path} and {seen[out]} would both be saved as {out}")
         seen[out] = path
         ckpts.append((path, name, eval_dir, out))
     # The matrix: stages evaluated now, plus the base and stages saved earlier in the same eval directory.
     names = [name for _, name, _, _ in ckpts]
     matrix_dir = next((d for _, name, d, _ in ckpts if STAGE_RE.match(name)), ckpts[0][2])
     saved = {os.path.basename(f)[:-5]: f for f in glob.glob(os.path.join(matrix_dir, "*.json"))}
+    inrun = {os.path.basename(f)[:-5] for f in glob.glob(inrun_path(matrix_dir, "*"))}
     stages = _stages(names, "--ckpt")
     if a.matrix or stages:
-        stages = _stages(set(names) | {s for s in saved if STAGE_RE.match(s)}, f"--ckpt and {matrix_dir}")
+        stages = _stages(set(names) | {s for s in set(saved) | inrun if STAGE_RE.match(s)}, f"--ckpt and {matrix_dir}")
         if not stages:
-            raise EnvError(f"--matrix needs sequential stages (runs/<preset>/seq/<i>-<domain>) in --ckpt or {matrix_dir}")
+            raise UsageError(f"--matrix needs sequential stages (runs/<preset>/seq/<i>-<domain>) in --ckpt or {matrix_dir}")
     env_opts = env_options(a) if a.suite == "full" else {}
     benchmarks = [b.strip() for b in a.benchmarks.split(",") if b.strip()] if a.benchmarks else None
     if benchmarks and a.suite != "full":
-        raise EnvError("--benchmarks is for the full suite; use --domains and --splits with the tiny suite")
+        raise UsageError("--benchmarks is for the full suite; use --domains and --splits with the tiny suite")
     tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks)
     return {"domains": domains, "splits": splits, "sources": sources, "env_opts": env_opts, "tasks": tasks,
             "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved}
@@ -459,7 +454,7 @@ def main():
     a = parse_args()
     try:
         r = resolve(a)
-    except EnvError as e:
+    except UsageError as e:
         sys.exit(f"error: {e}")
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -482,15 +477,21 @@ def main():
         named[name] = record
     print0("\n" + markdown_table(named))
     if r["stages"]:
-        def row(name):  # this run's results, else the ones saved earlier (same suite only)
+        sources = {}
+
+        def row(name):  # this run's results, else evaluate.py's saved record, else a training run's in-run one
             if name in named:
+                sources[name] = "this run"
                 return named[name]
-            saved = load_results(r["saved"][name]) if name in r["saved"] else None
-            return saved if saved and saved.get("suite") == a.suite else None
+            for path in (r["saved"].get(name), inrun_path(r["matrix_dir"], name)):
+                saved = load_results(path) if path and os.path.isfile(path) else None
+                if saved and saved.get("suite") == a.suite:
+                    n = {b["n"] for b in _benchmarks(saved).values()}
+                    sources[name] = f"{os.path.relpath(path, r['matrix_dir'])} (n={'/'.join(map(str, sorted(n)))})"
+                    return saved
+            return None
         m = accuracy_matrix([(name, d, row(name)) for _, name, d in r["stages"]], row("base"), r["domains"])
-        earlier = [n for n in ["base"] + [s[1] for s in r["stages"]] if n not in named and row(n) is not None]
-        if earlier:
-            print0(f"\naccuracy matrix rows from saved results: {', '.join(earlier)}")
+        m["sources"] = sources
         print0("\n" + matrix_table(m))
         save_results(os.path.join(r["matrix_dir"], "seq_matrix.json"), m)
         print0(f"saved {plot_matrix(m, os.path.join(r['matrix_dir'], 'seq_matrix.png'))}")

@@ -38,7 +38,7 @@ import time
 import torch
 
 from common import read_tensor, same_tensors, tensor_infos, write_atomically, write_meta
-from envs import DOMAINS, EnvError, parse_domains
+from envs import DOMAINS, UsageError, parse_domains
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
 SEARCHES = ("uniform", "grid", "balanced")
@@ -95,7 +95,7 @@ def check_inputs(base: str, models: list) -> dict:
     Returns {checkpoint: {tensor name: file}}."""
     for ckpt in [base, *models]:
         if not os.path.isfile(os.path.join(ckpt, "config.json")):
-            raise EnvError(f"not a checkpoint directory (no config.json): {ckpt}")
+            raise UsageError(f"not a checkpoint directory (no config.json): {ckpt}")
     with open(os.path.join(base, "config.json")) as f:
         cfg0 = json.load(f)
     for m in models:
@@ -103,11 +103,11 @@ def check_inputs(base: str, models: list) -> dict:
             cfg = json.load(f)
         for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings"):
             if cfg.get(key) != cfg0.get(key):
-                raise EnvError(f"mismatched architectures: {m} has {key}={cfg.get(key)!r}, the base {cfg0.get(key)!r}")
+                raise UsageError(f"mismatched architectures: {m} has {key}={cfg.get(key)!r}, the base {cfg0.get(key)!r}")
     try:
         return same_tensors(base, models)
     except (FileNotFoundError, ValueError) as e:
-        raise EnvError(str(e)) from None
+        raise UsageError(str(e)) from None
 
 
 def plan_shards(infos: dict, shard_bytes: int) -> list:
@@ -211,7 +211,7 @@ def search_weights(a, files) -> tuple:
             oracle[d] = val_scores(ckpt, {f"{d}/val": tasks[f"{d}/val"]}, [d], a.batch)[d]
         print(f"oracle val scores: {json.dumps(oracle)}", flush=True)
         if not any(v > 0 for v in oracle.values()):
-            raise EnvError("balanced search: every oracle scores 0 on its val tasks; nothing to normalise by")
+            raise UsageError("balanced search: every oracle scores 0 on its val tasks; nothing to normalise by")
         skipped = [d for d, v in oracle.items() if v <= 0]
         if skipped:
             print(f"balanced search: oracle score 0 on {', '.join(skipped)}; those domains are left out of the min")
@@ -261,27 +261,27 @@ def parse_args(argv=None):
     try:
         a.domains = parse_domains(a.domains)
         if (a.weights is None) == (a.search is None):
-            raise EnvError("give either --weights (one per model) or --search uniform|grid|balanced")
+            raise UsageError("give either --weights (one per model) or --search uniform|grid|balanced")
         if a.weights is not None and len(a.weights) != len(a.models):
-            raise EnvError(f"{len(a.weights)} weights for {len(a.models)} models: give one weight per model")
+            raise UsageError(f"{len(a.weights)} weights for {len(a.models)} models: give one weight per model")
         a.density = a.density if a.density is not None else (1.0 if a.method == "task_arithmetic" else 0.5)
         if not 0 < a.density <= 1:
-            raise EnvError(f"--density must be in (0, 1], got {a.density}")
+            raise UsageError(f"--density must be in (0, 1], got {a.density}")
         if not 0 < a.grid_step <= 1 or abs(round(1 / a.grid_step) * a.grid_step - 1) > 1e-9:
-            raise EnvError(f"--grid-step must divide 1 (0.5, 0.25, 0.2, ...), got {a.grid_step}")
+            raise UsageError(f"--grid-step must divide 1 (0.5, 0.25, 0.2, ...), got {a.grid_step}")
         if a.search in ("grid", "balanced"):
             if len(a.domains) != len(a.models):
-                raise EnvError(f"{len(a.models)} models but {len(a.domains)} --domains: the search scores one "
+                raise UsageError(f"{len(a.models)} models but {len(a.domains)} --domains: the search scores one "
                                "domain per model")
             if a.search_n < 1:
-                raise EnvError("--search-n must be >= 1")
+                raise UsageError("--search-n must be >= 1")
         if a.search == "balanced" and (not a.oracles or len(a.oracles) != len(a.domains)):
-            raise EnvError("--search balanced needs --oracles, one checkpoint per domain")
+            raise UsageError("--search balanced needs --oracles, one checkpoint per domain")
         a.files = check_inputs(a.base, a.models)
         for ckpt in a.oracles or []:
             if not os.path.isfile(os.path.join(ckpt, "config.json")):
-                raise EnvError(f"not a checkpoint directory (no config.json): {ckpt}")
-    except EnvError as e:
+                raise UsageError(f"not a checkpoint directory (no config.json): {ckpt}")
+    except UsageError as e:
         sys.exit(f"error: {e}")
     return a
 
@@ -299,7 +299,7 @@ def main(argv=None):
     else:
         try:
             weights, tried, oracle = search_weights(a, a.files)
-        except EnvError as e:
+        except UsageError as e:
             sys.exit(f"error: {e}")
     config = {k: v for k, v in vars(a).items() if k != "files"}
     meta = dict(seed=a.seed, config=config, search=a.search, weights=weights, curriculum_position=None, step=None,

@@ -36,214 +36,80 @@ Differences from the paper:
 import argparse
 import math
 import os
-import random
 import sys
 import time
 
 import torch
 
 from common import (
-    Cursor,
-    add_scale_flags,
-    all_reduce_max,
     all_reduce_sum,
-    checkpoints_activations,
-    dry_run,
     full_state_dict,
     gather_mean,
     init_dist,
+    is_checkpoint,
     load_policy,
     load_train_state,
-    make_backend,
     print0,
-    push_weights,
     rank,
     read_meta,
     save_checkpoint,
     save_train_state,
     seed_all,
-    selected_logprobs,
     shard,
     teardown,
-    to_device,
     world_size,
 )
 from envs import add_data_flags, env_options, per_domain
-from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS
+from envs.base import UsageError
+from envs.rollout import make_backend, push_weights
+from train_step import (
+    Cursor,
+    add_scale_flags,
+    add_step_flags,
+    check_shared_flags,
+    dry_run,
+    episode_logprobs,
+    keep_successes,
+    sft_epochs,
+    train_on,
+)
 
-# Defaults per preset; every one is a flag. The tiny preset's numbers fit the whole sequential run plus
-# the four oracles into 15 minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x
-# a math one; two generation rounds at most (dynamic sampling) because a flat step costs a round each;
-# lr 2e-4 because at 5e-4 the math and search stages wiped the base's ecommerce skill before its stage.
+# The method's defaults per preset; the scale ones (engine, batch sizes, token limits) are train_step.SCALE's.
+# Every one is a flag. The tiny preset's numbers fit the whole sequential run plus the four oracles into 15
+# minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x a math one; two generation
+# rounds at most (dynamic sampling) because a flat step costs a round each; lr 2e-4 because at 5e-4 the math and
+# search stages wiped the base's ecommerce skill before its stage.
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
-                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=2e-4, max_tokens=MAX_TOKENS,
-                 max_turn_tokens=MAX_TURN_TOKENS, micro_batch=64, rft_prompts="search=256,ecommerce=96", rft_samples=4,
-                 rft_epochs=2, rft_lr=1e-3, eval_n=30, bf16=False, grad_ckpt=False, gen_batch=128,
-                 max_gen_rounds=2, backend="hf", math_data=None),
+                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=2e-4, rft_prompts="search=256,ecommerce=96",
+                 rft_samples=4, rft_epochs=2, rft_lr=1e-3, eval_n=30, max_gen_rounds=2, math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
-                     group=8, lr=1e-6, max_tokens=8192, max_turn_tokens=2048, micro_batch=4, rft_prompts=2048,
-                     rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, bf16=True, grad_ckpt=True,
-                     gen_batch=256, max_gen_rounds=3, backend="vllm", math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
+                     group=8, lr=1e-6, rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None,
+                     max_gen_rounds=3, math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
 }
 AGENTIC = ("search", "ecommerce")
 
 
-# ----------------------------------------------------------------------------- the losses
+# ----------------------------------------------------------------------------- the loss
 
-def pack(episodes, pad_id: int) -> dict:
-    """Training tensors with every distinct prompt once (a GRPO group shares one). The prompt (the tokens
-    before the policy's first turn) is left-padded, the rest of the episode (the completion: policy turns,
-    tool results, user replies) right-padded after it.
-    -> p_ids, p_attn (U, Tp); rows (B,): each episode's prompt row; c_ids, c_attn (B, Tc);
-       mask (B, Tc): 1 on the policy's sampled tokens; slp (B, Tc): their sampling log-probs."""
-    prompts, rows = {}, []
-    for e in episodes:
-        rows.append(prompts.setdefault(tuple(e.token_ids[: e.prompt_len]), len(prompts)))
-    Tp = max(len(p) for p in prompts)
-    Tc = max(1, max(len(e.token_ids) - e.prompt_len for e in episodes))
-    p_ids = torch.full((len(prompts), Tp), pad_id, dtype=torch.long)
-    p_attn = torch.zeros((len(prompts), Tp), dtype=torch.long)
-    for p, u in prompts.items():
-        p_ids[u, Tp - len(p):] = torch.tensor(p, dtype=torch.long)
-        p_attn[u, Tp - len(p):] = 1
-    c_ids = torch.full((len(episodes), Tc), pad_id, dtype=torch.long)
-    c_attn = torch.zeros((len(episodes), Tc), dtype=torch.long)
-    mask = torch.zeros((len(episodes), Tc))
-    slp = torch.zeros((len(episodes), Tc))
-    for i, e in enumerate(episodes):
-        n = len(e.token_ids) - e.prompt_len
-        if n > 0:
-            c_ids[i, :n] = torch.tensor(e.token_ids[e.prompt_len:])
-            c_attn[i, :n] = 1
-            mask[i, :n] = torch.tensor(e.loss_mask[e.prompt_len:], dtype=torch.float)
-            slp[i, :n] = torch.tensor(e.logprobs[e.prompt_len:], dtype=torch.float)
-    return dict(p_ids=p_ids, p_attn=p_attn, rows=torch.tensor(rows), c_ids=c_ids, c_attn=c_attn, mask=mask, slp=slp)
-
-
-def token_logprobs(model, b: dict, temperature: float = 1.0):
-    """(B, Tc) log-prob of every completion token, logits divided by the sampling temperature so trainer
-    and sampler score the same distribution. Each distinct prompt runs once and its KV cache is shared by
-    its samples (the gradients of all of them flow back into it); under activation checkpointing, which
-    has no cache, prompt and completion run as one sequence."""
-    p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
-    if checkpoints_activations(model):
-        ids, attn = torch.cat([p_ids[rows], c_ids], 1), torch.cat([p_attn[rows], c_attn], 1)   # (B, Tp + Tc)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        # logits only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                       logits_to_keep=c_ids.size(1) + 1).logits[:, :-1]                       # (B, Tc, V)
-    else:
-        from transformers import DynamicCache
-
-        from envs.rollout import cache_kwarg
-        cache = DynamicCache()
-        kv = {cache_kwarg(model): cache}
-        p_pos = (p_attn.cumsum(-1) - 1).clamp(min=0)                                          # (U, Tp)
-        last = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1,
-                     **kv).logits[:, -1]                                                      # (U, V)
-        cache.batch_select_indices(rows)                                                      # U -> B rows
-        attn = torch.cat([p_attn[rows], c_attn], 1)                                           # (B, Tp + Tc)
-        pos = p_attn.sum(-1)[rows, None] + torch.arange(c_ids.size(1), device=c_ids.device)   # (B, Tc)
-        out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv).logits
-        # position t predicts c_ids[:, t]: the prompt's last logits for t = 0, the completion's own after that
-        return torch.cat([selected_logprobs(last[rows, None], c_ids[:, :1], temperature),
-                          selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature)], 1)       # (B, Tc)
-    return selected_logprobs(logits, c_ids, temperature)
-
-
-def grpo_token_loss(logp, old_logp, sampler_logp, adv, ref_logp, a):
-    """The GRPO/DAPO per-token loss, (B, T-1), to be masked and aggregated by the caller.
-    logp: current policy; old_logp: the trainer's log-probs under the weights that sampled (no grad);
-    sampler_logp: the generation engine's; adv (B, 1): group-normalised advantage; ref_logp or None."""
-    ratio = torch.exp(logp - old_logp)                                    # PPO ratio, trainer vs trainer
+def grpo_loss(logp, b, x, a):
+    """The GRPO/DAPO per-token loss, (B, T), which train_on masks to the sampled tokens and aggregates.
+    logp: the current policy's log-probs; b["slp"]: the sampler's; x["adv"] (B, 1): the group-normalised
+    advantage; x["old"]: the trainer's log-probs under the weights that sampled (absent on the first update on a
+    batch: logp itself, detached); x["ref"]: the reference model's (absent without --kl-coef).
+    -> (loss, {"clip": 1 where the PPO ratio is outside the clip range})."""
+    old = x["old"] if "old" in x else logp.detach()
+    ratio = torch.exp(logp - old)                                        # PPO ratio, trainer vs trainer
+    adv = x["adv"]
     surr = torch.minimum(ratio * adv, ratio.clamp(1 - a.clip_low, 1 + a.clip_high) * adv)
     # truncated importance weight for the sampler/trainer mismatch (bf16 vLLM vs FSDP): 1 when they agree
-    tis = torch.exp(old_logp - sampler_logp).clamp(max=a.tis_cap).detach()
+    tis = torch.exp(old - b["slp"]).clamp(max=a.tis_cap).detach()
     loss = -surr * tis
-    if ref_logp is not None and a.kl_coef > 0:
-        d = ref_logp - logp
-        loss = loss + a.kl_coef * (torch.exp(d) - d - 1)                  # k3 estimator of KL(pi || ref)
-    return loss
-
-
-def sft_token_loss(logp, old_logp, sampler_logp, adv, ref_logp, a):
-    """Negative log-likelihood of the kept tokens (the RFT cold start; sdft.py uses it too)."""
-    return -logp
-
-
-def micro_batches(episodes, size: int) -> list:
-    """Index lists of at most `size` episodes; a group's samples (same prompt) sit together, so they
-    share one prompt pass, and similar lengths sit together, so there is little padding."""
-    order = sorted(range(len(episodes)), key=lambda i: (episodes[i].prompt_len, episodes[i].token_ids[: episodes[i].prompt_len],
-                                                        len(episodes[i].token_ids)))
-    return [order[s: s + size] for s in range(0, len(order), size)]
-
-
-@torch.no_grad()
-def old_logprobs(model, episodes, a, temperature=1.0) -> list:
-    """The trainer's log-probs of every episode's completion tokens under the current weights, before
-    the first of several updates on one batch (--minibatches > 1): the PPO ratio's denominator."""
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    dev = next(model.parameters()).device
-    out = [None] * len(episodes)
-    for idx in micro_batches(episodes, a.micro_batch):
-        lp = token_logprobs(model, to_device(pack([episodes[i] for i in idx], pad), dev), temperature).cpu()
-        for j, i in enumerate(idx):
-            out[i] = lp[j, : max(1, len(episodes[i].token_ids) - episodes[i].prompt_len)]
-    return out
-
-
-def train_on(model, opt, episodes, token_loss, a, temperature=1.0, adv=None, ref_model=None, old=None):
-    """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of
-    a.micro_batch sequences. The loss is normalised by the *global* number of loss tokens (token-mean) or
-    sequences (seq-mean), and multiplied by the world size because FSDP averages gradients over ranks:
-    N ranks give the same update as one process on the whole batch. Returns (loss, clip_frac) over the
-    global batch. `old`: old_logprobs() of the episodes, or None when this is the first update on the
-    batch (then the old log-probs equal the current ones, detached)."""
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    dev = next(model.parameters()).device
-    micro = micro_batches(episodes, a.micro_batch)
-    # every rank must run the same number of forward/backward passes (FSDP collectives): pad with
-    # zero-weight passes (on one of this rank's episodes, or on a stand-in when it has none)
-    n_micro = int(all_reduce_max(len(micro)))
-    n_tok = all_reduce_sum(torch.tensor(float(sum(sum(e.loss_mask) for e in episodes)))).item()
-    n_seq = all_reduce_sum(torch.tensor(float(len(episodes)))).item()
-    denom = max(n_tok if a.agg == "token" else n_seq, 1.0)
-    total, clipped = torch.zeros(()), torch.zeros(())
-    opt.zero_grad(set_to_none=True)
-    for m in range(n_micro):
-        dummy = m >= len(micro)
-        idx = micro[m] if not dummy else micro[0][:1] if micro else []
-        if idx:
-            b = to_device(pack([episodes[i] for i in idx], pad), dev)
-        else:
-            from envs.rollout import Episode
-            b = to_device(pack([Episode("-", "-", "-", 0, [pad, pad], [0, 0], [0.0, 0.0], 1)], pad), dev)
-        logp = token_logprobs(model, b, temperature)                                    # (b, Tc)
-        mask = b["mask"] * (0.0 if dummy else 1.0)                                      # (b, Tc)
-        old_lp = logp.detach() if old is None or dummy else \
-            torch.nn.utils.rnn.pad_sequence([old[i] for i in idx], batch_first=True).to(dev)  # (b, Tc)
-        A = torch.zeros(len(logp), 1, device=dev) if adv is None or dummy else \
-            torch.tensor([[adv[i]] for i in idx], dtype=torch.float, device=dev)        # (b, 1)
-        with torch.no_grad():
-            ref_lp = token_logprobs(ref_model, b, temperature) if ref_model is not None else None
-        per_tok = token_loss(logp, old_lp, b["slp"], A, ref_lp, a)                      # (b, Tc)
-        if a.agg == "token":
-            loss = (per_tok * mask).sum() / denom
-        else:
-            loss = ((per_tok * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denom
-        (loss * world_size()).backward()
-        total += loss.detach().cpu()
-        with torch.no_grad():
-            ratio = torch.exp(logp - old_lp)
-            clipped += (((ratio < 1 - a.clip_low) | (ratio > 1 + a.clip_high)).float() * mask).sum().cpu()
-    total = all_reduce_sum(total).item()
-    if not math.isfinite(total):
-        raise FloatingPointError(f"non-finite loss {total}")
-    torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-    opt.step()
-    return total, all_reduce_sum(clipped).item() / max(n_tok, 1.0)
+    if "ref" in x and a.kl_coef > 0:
+        d = (x["ref"] - logp) * b["mask"]                                # 0 past the episode's end (zero-padded ref)
+        loss = loss + a.kl_coef * (torch.exp(d) - d - 1)                 # k3 estimator of KL(pi || ref)
+    clipped = ((ratio < 1 - a.clip_low) | (ratio > 1 + a.clip_high)).float().detach()
+    return loss, {"clip": clipped}
 
 
 def group_advantages(episodes, drop_flat: bool = True, eps: float = 1e-6):
@@ -281,26 +147,20 @@ def recipe(a, domain: str) -> dict:
                 rft_prompts=a.rft_prompts_by_domain.get(domain, 0) if domain in AGENTIC else 0)
 
 
-def rollouts(backend, tok, env, tasks, n, a, seed):
+def rollouts(backend, tok, env, tasks, n, a, seed, adapter=None):
     from envs.rollout import rollout
     return rollout(backend, tok, [(env, t) for t in tasks], n, a.temperature, max_tokens=a.max_tokens,
-                   max_turn_tokens=a.max_turn_tokens, seed=seed)
+                   max_turn_tokens=a.max_turn_tokens, seed=seed, adapters=[adapter] * len(tasks) if adapter else None)
 
 
 def rft(policy, tok, backend, env, tasks, a, stage_name):
-    """Rejection-sampled fine-tuning: keep full-reward, well-formed, distinct rollouts; SFT on them."""
-    from envs.base import well_formed
+    """Rejection-sampled fine-tuning: sample, keep what train_step.keep_successes keeps, SFT on it."""
     t0 = time.time()
     mine = tasks[rank()::world_size()]
     policy.eval()
     eps = rollouts(backend, tok, env, mine, a.rft_samples, a, seed=a.seed * 7919 + rank())
-    seen, kept = set(), []
-    for e in eps:
-        key = (e.task_id, tuple(t for t, m in zip(e.token_ids, e.loss_mask) if m))
-        if e.reward >= 1.0 and well_formed(e.messages) and key not in seen:
-            seen.add(key)
-            kept.append(e)
-    n_kept = int(all_reduce_sum(torch.tensor(float(len(kept)))).item())
+    kept = keep_successes(eps)
+    n_kept = int(all_reduce_sum(len(kept)))
     print0(f"[{stage_name}] rft: {len(tasks)} prompts x {a.rft_samples} samples, mean reward "
            f"{gather_mean([e.reward for e in eps]):.3f}, kept {n_kept} distinct full-reward well-formed rollouts "
            f"({time.time() - t0:.0f}s)")
@@ -310,35 +170,30 @@ def rft(policy, tok, backend, env, tasks, a, stage_name):
     backend.sleep()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.rft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     policy.train()
-    per_step = max(1, a.micro_batch // 2)   # this rank's episodes per SFT step
-    n_steps = int(all_reduce_max(math.ceil(len(kept) / per_step))) * a.rft_epochs
-    rng = random.Random(a.seed + rank())
-    order = []
-    for s in range(n_steps):
-        if not order:
-            order = list(range(len(kept)))
-            rng.shuffle(order)
-        batch = [kept[order.pop()] for _ in range(min(per_step, len(order)))]
-        loss, _ = train_on(policy, opt, batch, sft_token_loss, a)
-        if s % 10 == 0 or s == n_steps - 1:
-            print0(f"[{stage_name}] rft sft step {s + 1}/{n_steps} | nll {loss:.4f}")
+    sft_epochs(policy, opt, kept, epochs=a.rft_epochs, batch=max(1, a.micro_batch // 2), micro_batch=a.micro_batch,
+               grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft")
     backend.wake()
     push_weights(backend, policy)
     return n_kept
 
 
-def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None):
-    """The GRPO loop of one stage, resumable from `resume_path`."""
-    opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0)
+def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None, push=push_weights,
+         adapter=None):
+    """The GRPO loop of one stage, resumable from `resume_path`. The two seams mle.py composes it through:
+    push(backend, policy) puts the updated weights into the engine, and `adapter` (a LoRA adapter directory,
+    or None) is what the rollouts sample with."""
+    opt = torch.optim.AdamW([q for q in policy.parameters() if q.requires_grad], lr=a.lr, betas=(0.9, 0.999),
+                            weight_decay=0.0)
     train = env.tasks("train", seed=a.seed)
     cursor, start = Cursor(len(train), a.seed), 0
     if os.path.exists(resume_path):
         extra = load_train_state(resume_path, policy, opt)
         cursor.pos, start = extra["cursor"], extra["step"]
-        push_weights(backend, policy)
+        push(backend, policy)
         print0(f"[{stage_name}] resumed at step {start} from {resume_path}")
     prompts = a.prompts_by_domain[domain]
     per_rank = max(1, prompts // world_size())
+    step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
     t0 = time.time()
     for step in range(start + 1, steps + 1):
         t_step = time.time()
@@ -348,19 +203,19 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
         for r in range(a.max_gen_rounds):
             batch = cursor.take(prompts)
             mine = [train[j] for j in batch[rank()::world_size()]]
-            eps = rollouts(backend, tok, env, mine, a.group, a, seed=(a.seed * 1_000_003 + step) * 97 + r * 7 + rank())
+            eps = rollouts(backend, tok, env, mine, a.group, a, seed=(a.seed * 1_000_003 + step) * 97 + r * 7 + rank(),
+                           adapter=adapter)
             n_drawn += len(mine)
             rewards += [e.reward for e in eps]
             n_tok += sum(e.n_sampled for e in eps)
             adv, _ = group_advantages(eps, drop_flat=a.dynamic_sampling)
             kept += [(e, adv[i]) for i, e in enumerate(eps) if i in adv]
-            have = all_reduce_sum(torch.tensor(float(len(kept) // a.group))).item()
-            if have >= prompts or not a.dynamic_sampling:
+            if all_reduce_sum(len(kept) // a.group) >= prompts or not a.dynamic_sampling:
                 break
         t_gen = time.time() - t_step
         reward = gather_mean(rewards)
         kept = kept[: per_rank * a.group]
-        n_kept = int(all_reduce_sum(torch.tensor(float(len(kept)))).item())
+        n_kept = int(all_reduce_sum(len(kept)))
         # ---- sleep: the generation engine frees its memory for training (vLLM on GPU; a no-op for hf)
         backend.sleep()
         # ---- train: one update on the kept groups
@@ -370,20 +225,25 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
             eps, advs = [e for e, _ in kept], [v for _, v in kept]
             # one update per batch by default; with --minibatches k, k updates on k slices of it, the later
             # ones off-policy: the PPO ratio against the pre-update log-probs is what the clip bounds
-            old = old_logprobs(policy, eps, a, a.temperature) if a.minibatches > 1 else None
+            old = episode_logprobs(policy, eps, micro_batch=a.micro_batch, temperature=a.temperature) \
+                if a.minibatches > 1 else None
             per = math.ceil(len(eps) / a.group / a.minibatches) * a.group
             for k in range(a.minibatches):
                 sl = slice(k * per, (k + 1) * per)
-                lo, cf = train_on(policy, opt, eps[sl], grpo_token_loss, a, a.temperature, adv=advs[sl],
-                                  ref_model=ref_model, old=old[sl] if old else None)
-                loss, clip_frac = loss + lo / a.minibatches, clip_frac + cf / a.minibatches
+                x = dict(adv=advs[sl])
+                if old:
+                    x["old"] = old[sl]
+                if ref_model is not None:
+                    x["ref"] = episode_logprobs(ref_model, eps[sl], micro_batch=a.micro_batch, temperature=a.temperature)
+                lo, st = train_on(policy, opt, eps[sl], lambda lp, b, x: grpo_loss(lp, b, x, a), extras=x, **step_kw)
+                loss, clip_frac = loss + lo / a.minibatches, clip_frac + st.get("clip", 0.0) / a.minibatches
         # ---- wake, then push the new weights into the engine, a few tensors at a time
         backend.wake()
         if n_kept:
-            push_weights(backend, policy)
+            push(backend, policy)
         dt = time.time() - t_step
         el = time.time() - t0
-        tok_s = all_reduce_sum(torch.tensor(float(n_tok))).item() / max(t_gen, 1e-9)
+        tok_s = all_reduce_sum(n_tok) / max(t_gen, 1e-9)
         print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
                f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
                f"{el:.0f}s elapsed, ETA {el / (step - start) * (steps - step):.0f}s")
@@ -398,33 +258,33 @@ def run_stage(i, domain, parent, a, device):
     name = os.path.relpath(out, a.runs)
     t0 = time.time()
     env = make_env(domain, **a.env_opts.get(domain, {}))
-    policy, tok = load_policy(parent, device, a.attn, a.grad_ckpt)
+    rft_dir = out + "-rft"
+    use_rft = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
+    rft_done = use_rft and read_meta(rft_dir).get("recipe") == recipe(a, domain)
+    start = rft_dir if rft_done else parent    # decided before loading: one policy, one backend
+    policy, tok = load_policy(start, device, a.attn, a.grad_ckpt)
     seed_all(a.seed + i)
     ref_model = None
-    if a.kl_coef > 0:   # the stage's starting weights, frozen
+    if a.kl_coef > 0:   # the stage's starting weights (before RFT), frozen
         ref_model, _ = load_policy(parent, device, a.attn)
         ref_model.eval().requires_grad_(False)
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     if ref_model is not None:
         ref_model = shard(ref_model, bf16=a.bf16, cpu_offload=a.cpu_offload)
-    backend, engine = make_backend(a, policy, tok, parent, device)
+    backend, engine = make_backend(a.backend, tok, start, policy=policy, device=device, gen_batch=a.gen_batch,
+                                   bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed,
+                                   attn=a.attn)
     n_rft, t_rft = None, 0.0
-    rft_dir = out + "-rft"
-    if domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0:
-        if read_meta(rft_dir).get("recipe") == recipe(a, domain):
-            print0(f"[{name}] rft: done before, loading {rft_dir}")
-            policy, tok = load_policy(rft_dir, device, a.attn, a.grad_ckpt)
-            policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
-            backend, engine = make_backend(a, policy, tok, rft_dir, device)
-            n_rft = read_meta(rft_dir).get("rft_kept")
-        else:
-            t1 = time.time()
-            tasks = env.tasks("train", seed=a.seed)
-            tasks = [tasks[j] for j in Cursor(len(tasks), a.seed + 1).take(a.rft_prompts_by_domain[domain])]
-            n_rft = rft(policy, tok, backend, env, tasks, a, name)
-            t_rft = time.time() - t1
-            save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft",
-                                                                    seconds=round(t_rft, 1)))
+    if rft_done:
+        print0(f"[{name}] rft: done before, loaded {rft_dir}")
+        n_rft = read_meta(rft_dir).get("rft_kept")
+    elif use_rft:
+        t1 = time.time()
+        tasks = env.tasks("train", seed=a.seed)
+        tasks = [tasks[j] for j in Cursor(len(tasks), a.seed + 1).take(a.rft_prompts_by_domain[domain])]
+        n_rft = rft(policy, tok, backend, env, tasks, a, name)
+        t_rft = time.time() - t1
+        save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft", seconds=round(t_rft, 1)))
     steps = a.steps_by_domain[domain]
     resume_path = os.path.join(os.path.dirname(out), f".resume-{os.path.basename(out)}.pt")
     grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model)
@@ -452,14 +312,16 @@ def save(policy, tok, out, a, domain, i, parent, extra):
 
 def evaluate_stage(model, tok, out, a, seconds, backend=None):
     """Score every domain (each domain's test and ood split on the tiny suite; every benchmark on the full
-    one) on rank 0 and write runs/<preset>/eval/<name>.json, the record evaluate.py writes."""
-    from evaluate import evaluate_record, save_results
+    one) on --eval-n tasks, on rank 0, and write runs/<preset>/eval/inrun/<name>.json: the record evaluate.py
+    writes, in a directory of its own so that it never replaces evaluate.py's (300-task) record of the stage."""
+    from evaluate import evaluate_record, inrun_path, save_results
     name = os.path.relpath(out, a.runs)
     if rank() == 0:
         rec = evaluate_record(model, tok, out, "tiny" if a.preset == "tiny" else "full", n=a.eval_n or None, seeds=1,
                               batch=a.gen_batch, backend=backend, max_tokens=a.max_tokens, env_opts=a.env_opts,
                               max_turn_tokens=a.max_turn_tokens, label=f"[{name}] eval ")
-        save_results(os.path.join(a.runs, "eval", name.replace(os.sep, "-") + ".json"), rec | dict(stage_seconds=round(seconds, 1)))
+        save_results(inrun_path(os.path.join(a.runs, "eval"), name.replace(os.sep, "-")),
+                     rec | dict(stage_seconds=round(seconds, 1)))
         cells = " | ".join(f"{k} {v['mean']:.3f}" for k, v in rec["benchmarks"].items())
         print0(f"[{name}] eval ({rec['wall_s']:.0f}s; stage took {seconds:.0f}s): {cells}")
 
@@ -469,7 +331,8 @@ def evaluate_stage(model, tok, out, a, seconds, backend=None):
 def get_args(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    preset = PRESETS[pre.parse_known_args(argv)[0].preset]
+    name = pre.parse_known_args(argv)[0].preset
+    preset = PRESETS[name]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
     p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
@@ -483,8 +346,6 @@ def get_args(argv=None):
     p.add_argument("--lr", type=float, default=preset["lr"], help="GRPO learning rate (AdamW, constant)")
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1 (ratio >= 1 - clip_low)")
     p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (DAPO clip-higher)")
-    p.add_argument("--agg", default="token", choices=["token", "seq"], help="loss aggregation: token-mean "
-                                                                            "(DAPO) or sequence-mean (GRPO)")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per rollout batch (PPO-style "
                                                                   "minibatches; >1 makes the clip active)")
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the stage's start (0 = off)")
@@ -493,11 +354,6 @@ def get_args(argv=None):
                    help="keep groups whose rewards are all equal (they get zero advantage)")
     p.add_argument("--max-gen-rounds", type=int, default=preset["max_gen_rounds"],
                    help="dynamic sampling: most prompt batches per step")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
-    p.add_argument("--max-tokens", type=int, default=preset["max_tokens"], help="token limit per episode")
-    p.add_argument("--max-turn-tokens", type=int, default=preset["max_turn_tokens"], help="token limit per turn")
-    p.add_argument("--micro-batch", type=int, default=preset["micro_batch"], help="sequences per forward pass")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     p.add_argument("--rft-prompts", default=preset["rft_prompts"],
                    help="RFT cold start of agentic stages: train prompts to sample (0 = no RFT): N or domain=N,...")
     p.add_argument("--rft-samples", type=int, default=preset["rft_samples"], help="RFT samples per prompt")
@@ -506,7 +362,8 @@ def get_args(argv=None):
     p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
                                                                         "evaluation (0 = skip)")
     p.add_argument("--save-every", type=int, default=10, help="GRPO steps between resume states (0 = never)")
-    add_scale_flags(p, preset)
+    add_scale_flags(p, name)
+    add_step_flags(p, name)
     add_data_flags(p, train=True)
     p.set_defaults(math_data=preset["math_data"])
     p.add_argument("--seed", type=int, default=0)
@@ -515,37 +372,31 @@ def get_args(argv=None):
 
 
 def check_args(a):
-    """Every bad input stops here, before anything is loaded or written. Returns a with resolved fields."""
-    from envs import EnvError, parse_domains
-    try:
-        a.curriculum = list(parse_domains(a.curriculum))
-        a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
-        a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
-        a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
-    except EnvError as e:
-        raise ValueError(str(e)) from None
-    if a.world_size is None:
-        a.world_size = int(os.environ.get("WORLD_SIZE", "8" if a.dry_run else "1"))
+    """Every bad input stops here with a UsageError, before anything is loaded or written. Returns a with
+    resolved fields."""
+    from envs import parse_domains
+    a.curriculum = list(parse_domains(a.curriculum))
+    a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
+    a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
+    a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
+    check_shared_flags(a)
     ws = a.world_size if a.dry_run else world_size()
-    checks = [(a.world_size >= 1, "--world-size must be >= 1"), (a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
+    checks = [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
               (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"), (a.lr > 0, "--lr must be > 0"),
               (all(v >= 0 for v in a.steps_by_domain.values()), "--steps must be >= 0"),
               (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
               (a.kl_coef >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
-              (a.temperature > 0, "--temperature must be > 0 for RL"), (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"),
-              (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"),
-              (a.max_tokens > a.max_turn_tokens > 0, "need --max-tokens > --max-turn-tokens > 0"),
+              (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"),
               (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
                "need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0"),
               (a.eval_n is None or a.eval_n >= 0, "--eval-n must be >= 0"), (a.save_every >= 0, "--save-every >= 0"),
-              (0 < a.vllm_gpu_util <= 1, "--vllm-gpu-util must be in (0, 1]"),
               (all(v % ws == 0 for v in a.prompts_by_domain.values()), f"--prompts must be divisible by the world size {ws}")]
     for ok, msg in checks:
         if not ok:
-            raise ValueError(msg)
+            raise UsageError(msg)
     local = os.path.isdir(a.init) or a.init.startswith((".", os.path.sep, "runs")) or a.init.count("/") != 1
-    if local and not os.path.isfile(os.path.join(a.init, "config.json")):
-        raise ValueError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
+    if local and not is_checkpoint(a.init):
+        raise UsageError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
     a.runs = a.runs or os.path.join("runs", a.preset)
     a.env_opts = env_options(a)
     return a
@@ -559,16 +410,13 @@ def main(argv=None):
         for i, d in enumerate(a.curriculum, 1):
             meta = read_meta(stage_dir(a, i, d))
             if meta and meta.get("recipe") != recipe(a, d):
-                raise ValueError(f"{stage_dir(a, i, d)} was trained with another recipe; use another --runs "
+                raise UsageError(f"{stage_dir(a, i, d)} was trained with another recipe; use another --runs "
                                  f"or delete it")
-    except ValueError as e:
+        if a.dry_run:
+            dry_run(a, a.init, a.world_size, a.micro_batch, a.max_tokens, ref_model=a.kl_coef > 0)
+            return
+    except UsageError as e:
         sys.exit(f"error: {e}")
-    if a.dry_run:
-        try:
-            dry_run(a, a.world_size, a.micro_batch, a.max_tokens)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
-        return
     if a.threads:
         torch.set_num_threads(a.threads)
     device = init_dist()

@@ -1,6 +1,6 @@
 """GPU figures for the full-scale recipe, with no download: a randomly initialised model with the Qwen3-1.7B
-configuration, (1) the training-step throughput of train_seq.py's GRPO update (train_seq.train_on with
-grpo_token_loss, under FSDP2 with bf16 MixedPrecisionPolicy) in tokens/s and MFU, and (2) the hf backend's
+configuration, (1) the training-step throughput of train_seq.py's GRPO update (train_step.train_on with
+grpo_loss, under FSDP2 with bf16 MixedPrecisionPolicy) in tokens/s and MFU, and (2) the hf backend's
 generation throughput (envs.rollout.HFBackend, bf16). Run through bench/gpu.sh on one H200 (under 8 minutes):
 
     bash bench/gpu.sh                                             # torchrun --nproc_per_node=1 bench/gpu_step.py
@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import KNOWN_CONFIGS, checkpoint_activations, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
+from common import checkpoint_activations, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
+from train_step import KNOWN_CONFIGS, micro_batches, train_on  # noqa: E402
 
 PEAK_TFLOPS = 989.0   # H100/H200 SXM, bf16 dense
 
@@ -96,7 +97,7 @@ def main(argv=None):
     eps, adv = episodes(a.prompts, a.group, a.prompt_len, a.completion_len, cfg.vocab_size)
     seq = a.prompt_len + a.completion_len
     per_micro_prompts = sum(len({e.task_id for e in [eps[i] for i in idx]})
-                            for idx in train_seq.micro_batches(eps, a.micro_batch))
+                            for idx in micro_batches(eps, a.micro_batch))
     tokens = len(eps) * a.completion_len + (len(eps) if a.grad_ckpt else per_micro_prompts) * a.prompt_len
     flops = tokens * model_flops_per_token(cfg, seq)
 
@@ -112,7 +113,8 @@ def main(argv=None):
     for s in range(1 + a.steps):
         sync()
         t0 = time.time()
-        loss, _ = train_seq.train_on(model, opt, eps, train_seq.grpo_token_loss, flags, adv=adv)
+        loss, _ = train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, flags),
+                           micro_batch=flags.micro_batch, agg=flags.agg, grad_clip=flags.grad_clip, extras=dict(adv=adv))
         sync()
         if s:
             times.append(time.time() - t0)

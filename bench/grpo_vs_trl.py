@@ -11,8 +11,8 @@ sampled --group times with at most --max-new-tokens tokens, temperature 1, top_k
 distribution), fp32 on the CPU, no KL, no vLLM, one optimizer step per update, in micro-batches of the tiny
 preset's --micro-batch sequences. The first update is a warm-up; the table reports the mean of the others.
 - ours: what one step of train_seq.grpo() does: envs.rollout.rollout with HFBackend (the policy itself,
-  batches of the preset's --gen-batch), train_seq.group_advantages, then train_seq.train_on with
-  train_seq.grpo_token_loss and the tiny preset's flags (clip 0.2/0.28, token-mean, tis cap, grad clip 1,
+  batches of the preset's --gen-batch), train_seq.group_advantages, then train_step.train_on with
+  train_seq.grpo_loss and the tiny preset's flags (clip 0.2/0.28, token-mean, tis cap, grad clip 1,
   AdamW betas 0.9/0.999, lr 5e-4).
 - TRL: GRPOTrainer with a dataset of the same system+user messages (the tokenizer's chat template renders
   them), a reward function that is envs.math.grade on the completion against the gold answer (0 when cut by
@@ -66,10 +66,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_seq  # noqa: E402
-from common import Cursor  # noqa: E402
+from common import resolve_attn  # noqa: E402
 from envs import make_env  # noqa: E402
 from envs.math import grade  # noqa: E402
 from envs.rollout import HFBackend, rollout  # noqa: E402
+from train_step import Cursor, train_on  # noqa: E402
 
 
 def checkpoint(path: str | None, seed: int) -> str:
@@ -94,7 +95,7 @@ def run_ours(path, env, batches, a):
     """-> [(gen_s, train_s, tokens generated, longest completion)] per update: one train_seq.grpo() step each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=a.attn)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=resolve_attn(a.attn))
     backend = HFBackend(policy, tok, a.gen_batch)
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0)
     out = []
@@ -106,8 +107,9 @@ def run_ours(path, env, batches, a):
         adv, _ = train_seq.group_advantages(eps)
         t1 = time.perf_counter()
         policy.train()
-        train_seq.train_on(policy, opt, eps, train_seq.grpo_token_loss, a, a.temperature,
-                           adv=[adv.get(i, 0.0) for i in range(len(eps))])   # flat groups: advantage 0
+        train_on(policy, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, a), micro_batch=a.micro_batch,
+                 agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature,
+                 extras=dict(adv=[adv.get(i, 0.0) for i in range(len(eps))]))   # flat groups: advantage 0
         t2 = time.perf_counter()
         out.append((t1 - t0, t2 - t1, sum(e.n_sampled for e in eps), max(e.n_sampled for e in eps)))
     return out
@@ -120,7 +122,7 @@ def run_trl(path, batches, a):
     from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=a.attn)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=resolve_attn(a.attn))
     rows = [dict(prompt=t.messages, answer=t.gold["answer"], kind=t.gold["kind"]) for b in batches for t in b]
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
     gen_s, n_tok, ends = [], [], []

@@ -6,7 +6,7 @@
 """
 import importlib
 
-from envs.base import EnvError, EpisodeState, Task  # noqa: F401  (re-exported)
+from envs.base import EpisodeState, Task, UsageError  # noqa: F401  (re-exported)
 
 DOMAINS = ("math", "search", "ecommerce", "if")
 _CLASSES = {"math": ("envs.math", "MathEnv"), "search": ("envs.search", "SearchEnv"),
@@ -16,7 +16,7 @@ _CLASSES = {"math": ("envs.math", "MathEnv"), "search": ("envs.search", "SearchE
 def make_env(domain: str, **options):
     """The environment of one domain; `options` are that Env class's constructor arguments."""
     if domain not in _CLASSES:
-        raise EnvError(f"unknown domain {domain!r}; expected one of {', '.join(DOMAINS)}")
+        raise UsageError(f"unknown domain {domain!r}; expected one of {', '.join(DOMAINS)}")
     module, name = _CLASSES[domain]
     return getattr(importlib.import_module(module), name)(**options)
 
@@ -26,9 +26,9 @@ def parse_domains(text: str) -> list:
     domains = [d.strip() for d in text.split(",") if d.strip()]
     for d in domains:
         if d not in DOMAINS:
-            raise EnvError(f"unknown domain {d!r} in {text!r}; expected a comma-separated subset of {','.join(DOMAINS)}")
+            raise UsageError(f"unknown domain {d!r} in {text!r}; expected a comma-separated subset of {','.join(DOMAINS)}")
     if len(set(domains)) != len(domains) or not domains:
-        raise EnvError(f"domains must be non-empty and distinct: {text!r}")
+        raise UsageError(f"domains must be non-empty and distinct: {text!r}")
     return domains
 
 
@@ -40,10 +40,10 @@ def per_domain(flag: str, text, domains) -> dict:
             return {d: int(text) for d in domains}
         out = {k.strip(): int(v) for k, _, v in (part.partition("=") for part in text.split(","))}
     except ValueError:
-        raise EnvError(f"{flag} takes N or domain=N,...; got {text!r}") from None
+        raise UsageError(f"{flag} takes N or domain=N,...; got {text!r}") from None
     missing = [d for d in domains if d not in out]
     if missing:
-        raise EnvError(f"{flag} names no count for {', '.join(missing)}")
+        raise UsageError(f"{flag} names no count for {', '.join(missing)}")
     return out
 
 

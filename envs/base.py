@@ -8,7 +8,7 @@ and each result comes back as a {"role": "tool", "name": ..., "content": str} me
 An environment never raises on what the model writes: malformed JSON, unknown tools, wrong argument
 types, empty or endless text all become observations (an error string in a tool message) or a zero
 reward. Nothing the model writes ever reaches eval/exec. Bad *user* input (an unknown domain, a
-missing data directory, a malformed task file) raises EnvError with one clear line.
+missing data directory, a malformed task file) raises UsageError with one clear line.
 """
 import json
 import re
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 SPLITS = ("train", "val", "test", "ood")  # val: for weight/hyper-parameter search, never test
 
 
-class EnvError(ValueError):
-    """Bad input from the user (not the model): scripts print it as one line and exit non-zero."""
+class UsageError(ValueError):
+    """The project's one input-error type: bad input from the user (a flag, a path, a data file), never from the
+    model. Every script's main prints it as one line ("error: ...") and exits with status 2."""
 
 
 @dataclass
@@ -42,7 +43,8 @@ class EpisodeState:
 
 
 class Env:
-    """One domain. Subclasses set `domain` and `max_turns` and implement the five methods."""
+    """One domain. Subclasses set `domain` and `max_turns` and implement tasks, step and score (reset, benchmark
+    and demos where they apply)."""
     domain = ""
     max_turns = 1
 
@@ -61,6 +63,11 @@ class Env:
     def score(self, state: EpisodeState) -> tuple:
         """(reward, metrics) of a finished (or truncated) episode; metrics is {name: float}."""
         raise NotImplementedError
+
+    def benchmark(self, name: str, source: str | None = None, n: int | None = None) -> list:
+        """Full scale: the tasks of one named benchmark of this domain (evaluate.py's full suite), from `source`
+        (an HF dataset id or a local file; None: the benchmark's default), the first n (None: all)."""
+        raise UsageError(f"the {self.domain or type(self).__name__} environment has no benchmark {name!r}")
 
     def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
         """Tiny arena only: n complete example conversations for the base model's pre-training corpus,
@@ -134,19 +141,19 @@ def function_schema(name: str, description: str, properties: dict, required=None
 
 
 def read_jsonl(path) -> list:
-    """Rows of a JSONL (or a JSON list) file; EnvError with one clear line on a missing/malformed file."""
+    """Rows of a JSONL (or a JSON list) file; UsageError with one clear line on a missing/malformed file."""
     import os
     if not os.path.isfile(path):
-        raise EnvError(f"data file not found: {path}")
+        raise UsageError(f"data file not found: {path}")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except ValueError as e:
-            raise EnvError(f"malformed JSON in {path}: {e}") from None
+            raise UsageError(f"malformed JSON in {path}: {e}") from None
         if not isinstance(rows, list):
-            raise EnvError(f"malformed JSON in {path}: expected a list of objects")
+            raise UsageError(f"malformed JSON in {path}: expected a list of objects")
         return rows
     rows = []
     for i, line in enumerate(text.splitlines(), 1):
@@ -155,5 +162,5 @@ def read_jsonl(path) -> list:
         try:
             rows.append(json.loads(line))
         except ValueError as e:
-            raise EnvError(f"malformed JSON on line {i} of {path}: {e}") from None
+            raise UsageError(f"malformed JSON on line {i} of {path}: {e}") from None
     return rows

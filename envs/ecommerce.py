@@ -30,7 +30,7 @@ import random
 import re
 import urllib.request
 
-from envs.base import SPLITS, Env, EnvError, Task, function_schema, parse_tool_calls, tool_call_text, tool_message
+from envs.base import SPLITS, Env, Task, UsageError, function_schema, parse_tool_calls, tool_call_text, tool_message
 
 STOP = "###STOP###"
 MAX_CALLS_PER_TURN = 8
@@ -697,28 +697,28 @@ DEFAULT_POLICY = ("You are a retail store agent. Authenticate the user by email,
 
 def _read_json(path):
     if not os.path.isfile(path):
-        raise EnvError(f"e-commerce data file not found: {path}")
+        raise UsageError(f"e-commerce data file not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except ValueError as e:
-        raise EnvError(f"malformed JSON in {path}: {e}") from None
+        raise UsageError(f"malformed JSON in {path}: {e}") from None
 
 
 def load_store(data_dir):
     """(db, policy) of a tau-bench v1 (users/orders/products.json) or tau2 (db.json) retail directory."""
     if not os.path.isdir(data_dir):
-        raise EnvError(f"e-commerce data directory not found: {data_dir}")
+        raise UsageError(f"e-commerce data directory not found: {data_dir}")
     tables = ("users", "orders", "products")
     if os.path.isfile(os.path.join(data_dir, "db.json")):
         db = _read_json(os.path.join(data_dir, "db.json"))
     elif all(os.path.isfile(os.path.join(data_dir, t + ".json")) for t in tables):
         db = {t: _read_json(os.path.join(data_dir, t + ".json")) for t in tables}
     else:
-        raise EnvError(f"no retail database in {data_dir}: expected db.json (tau2) or users.json, orders.json, "
+        raise UsageError(f"no retail database in {data_dir}: expected db.json (tau2) or users.json, orders.json, "
                        "products.json (tau-bench v1)")
     if not isinstance(db, dict) or not all(isinstance(db.get(t), dict) for t in tables):
-        raise EnvError(f"the retail database in {data_dir} must hold users, orders and products objects keyed by id")
+        raise UsageError(f"the retail database in {data_dir} must hold users, orders and products objects keyed by id")
     db = {t: db[t] for t in tables}
     policy = DEFAULT_POLICY
     for name in ("policy.md", "wiki.md"):
@@ -752,14 +752,14 @@ def _read_py_tasks(path):
     try:
         tree = ast.parse(source, filename=path)
     except SyntaxError as e:
-        raise EnvError(f"cannot parse {path}: {e.msg} (line {e.lineno})") from None
+        raise UsageError(f"cannot parse {path}: {e.msg} (line {e.lineno})") from None
     for node in tree.body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.List):
             try:
                 return [_py_value(x) for x in node.value.elts]
             except ValueError as e:
-                raise EnvError(f"unsupported task in {path}: {e}") from None
-    raise EnvError(f"no task list (NAME = [...]) found in {path}")
+                raise UsageError(f"unsupported task in {path}: {e}") from None
+    raise UsageError(f"no task list (NAME = [...]) found in {path}")
 
 
 def _instruction(scenario):
@@ -779,21 +779,21 @@ def load_tasks(data_dir, split):
     if os.path.isfile(tau2):
         rows = _read_json(tau2)
         if not isinstance(rows, list):
-            raise EnvError(f"malformed {tau2}: expected a list of tasks")
+            raise UsageError(f"malformed {tau2}: expected a list of tasks")
         split_file = os.path.join(data_dir, "split_tasks.json")
         if os.path.isfile(split_file):
             splits = _read_json(split_file)
             if not isinstance(splits, dict) or split not in splits:
                 names = ", ".join(splits) if isinstance(splits, dict) else "none"
-                raise EnvError(f"unknown split {split!r} in {split_file}; expected one of {names}")
+                raise UsageError(f"unknown split {split!r} in {split_file}; expected one of {names}")
             keep = {str(i) for i in splits[split]}
             rows = [r for r in rows if isinstance(r, dict) and str(r.get("id")) in keep]
         elif split != "all":
-            raise EnvError(f"{data_dir} has no split_tasks.json: use split 'all' or add the file")
+            raise UsageError(f"{data_dir} has no split_tasks.json: use split 'all' or add the file")
         out = []
         for i, r in enumerate(rows):
             if not isinstance(r, dict):
-                raise EnvError(f"malformed task {i} in {tau2}: expected an object")
+                raise UsageError(f"malformed task {i} in {tau2}: expected an object")
             crit = r.get("evaluation_criteria") or {}
             out.append({"id": str(r.get("id", i)), "instruction": _instruction(r.get("user_scenario")),
                         "actions": [{"name": a.get("name"), "arguments": a.get("arguments", {})}
@@ -806,10 +806,10 @@ def load_tasks(data_dir, split):
         elif os.path.isfile(js):
             rows = _read_json(js)
         else:
-            raise EnvError(f"no tasks for split {split!r} in {data_dir}: expected tasks.json (tau2) or "
+            raise UsageError(f"no tasks for split {split!r} in {data_dir}: expected tasks.json (tau2) or "
                            f"tasks_{split}.py / tasks_{split}.json (tau-bench v1)")
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise EnvError(f"malformed task file for split {split!r} in {data_dir}: expected a list of tasks")
+            raise UsageError(f"malformed task file for split {split!r} in {data_dir}: expected a list of tasks")
         out = [{"id": str(i), "instruction": str(r.get("instruction", "")),
                 "actions": [{"name": a.get("name"), "arguments": a.get("kwargs", a.get("arguments", {}))}
                             for a in r.get("actions") or [] if isinstance(a, dict)],
@@ -818,9 +818,9 @@ def load_tasks(data_dir, split):
         t["actions"] = [a for a in t["actions"] if a["name"] != "respond"]  # v1's "talk to the user" action
         for a in t["actions"]:
             if a["name"] not in TOOLS["retail"] or not isinstance(a["arguments"], dict):
-                raise EnvError(f"task {t['id']} of {data_dir}: unknown gold action {a['name']!r}")
+                raise UsageError(f"task {t['id']} of {data_dir}: unknown gold action {a['name']!r}")
         if not isinstance(t["outputs"], list) or not all(isinstance(o, str) for o in t["outputs"]):
-            raise EnvError(f"task {t['id']} of {data_dir}: outputs must be a list of strings")
+            raise UsageError(f"task {t['id']} of {data_dir}: outputs must be a list of strings")
     return out
 
 
@@ -878,7 +878,7 @@ class EcommerceEnv(Env):
     def __init__(self, data=None, user_url=None, user_model="gpt-4o", user_api_key_env="OPENAI_API_KEY",
                  user_timeout=60.0, max_turns=None):
         if data is not None and not user_url:
-            raise EnvError("real e-commerce data needs an LLM user: pass user_url (an OpenAI-compatible endpoint)")
+            raise UsageError("real e-commerce data needs an LLM user: pass user_url (an OpenAI-compatible endpoint)")
         self.data, self.user_url, self.user_model = data, user_url, user_model
         self.user_api_key_env, self.user_timeout = user_api_key_env, user_timeout
         self.max_turns = max_turns or (10 if data is None else 30)
@@ -893,7 +893,7 @@ class EcommerceEnv(Env):
                          gold={"world": "retail", "kind": "real", "actions": r["actions"], "outputs": r["outputs"],
                                "instruction": r["instruction"]}) for r in rows]
         if split not in SPLITS:
-            raise EnvError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+            raise UsageError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
         n = (5000 if split == "train" else 300) if n is None else n
         make = _telecom_task if split == "ood" else _retail_task
         return [make(random.Random(f"ecommerce-{split}-{seed}-{i}"), split, f"ecommerce-{split}-{seed}-{i}")
@@ -904,7 +904,7 @@ class EcommerceEnv(Env):
         g = task.gold
         db = g.get("db") if g.get("db") is not None else self.db
         if db is None:
-            raise EnvError(f"task {task.id} has no database: real-data tasks need EcommerceEnv(data=...)")
+            raise UsageError(f"task {task.id} has no database: real-data tasks need EcommerceEnv(data=...)")
         if g.get("db") is None and task.id in self._gold_hash:
             target = self._gold_hash[task.id]
         else:

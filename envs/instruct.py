@@ -25,7 +25,7 @@ from collections import Counter
 from langdetect import DetectorFactory
 from langdetect import detect as _langdetect
 
-from envs.base import SPLITS, Env, EnvError, Task
+from envs.base import SPLITS, Env, Task, UsageError
 
 DetectorFactory.seed = 0  # langdetect samples n-grams at random: fix it so scores are deterministic
 BENCHMARKS = ("ifeval", "ifbench")
@@ -487,7 +487,7 @@ def _check(iid, text, kw):
         return bool(CHECKERS[iid](text, kw))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as e:
         # kwargs come from the task (user data), and every checker is total on text: this is a bad task
-        raise EnvError(f"instruction {iid!r} cannot use kwargs {kw}: {type(e).__name__}: {e}") from None
+        raise UsageError(f"instruction {iid!r} cannot use kwargs {kw}: {type(e).__name__}: {e}") from None
 
 
 def _clean_kwargs(instruction_ids, kwargs_list, prompt):
@@ -495,13 +495,13 @@ def _clean_kwargs(instruction_ids, kwargs_list, prompt):
     if kwargs_list is None:
         kwargs_list = [{} for _ in instruction_ids]
     if len(kwargs_list) != len(instruction_ids):
-        raise EnvError(f"{len(instruction_ids)} instruction ids but {len(kwargs_list)} kwargs dicts")
+        raise UsageError(f"{len(instruction_ids)} instruction ids but {len(kwargs_list)} kwargs dicts")
     out = []
     for iid, kw in zip(instruction_ids, kwargs_list):
         if iid not in CHECKERS:
-            raise EnvError(f"unknown instruction id {iid!r}")
+            raise UsageError(f"unknown instruction id {iid!r}")
         if kw is not None and not isinstance(kw, dict):
-            raise EnvError(f"kwargs of {iid!r} must be a dict, got {type(kw).__name__}")
+            raise UsageError(f"kwargs of {iid!r} must be a dict, got {type(kw).__name__}")
         kw = {k: v for k, v in (kw or {}).items() if v is not None}
         if prompt is not None and "prompt_to_repeat" not in kw and iid.startswith(("combination:repeat", "repeat:")):
             kw["prompt_to_repeat"] = prompt
@@ -514,7 +514,7 @@ def check_instructions(response, instruction_ids, kwargs_list, prompt=None) -> d
 
     Returns {"strict": [bool per instruction], "loose": [...], "prompt_strict": bool, "prompt_loose": bool}.
     Loose (IFEval): an instruction also counts as followed if the response passes with its first line,
-    last line or both removed, and/or with every '*' deleted. Unknown ids or unusable kwargs raise EnvError."""
+    last line or both removed, and/or with every '*' deleted. Unknown ids or unusable kwargs raise UsageError."""
     kwargs_list = _clean_kwargs(instruction_ids, kwargs_list, prompt)
     text = _answer(response)
     lines = text.split("\n")
@@ -697,7 +697,7 @@ class IFEnv(Env):
 
     def tasks(self, split, n=None, seed=0):
         if split not in SPLITS:
-            raise EnvError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+            raise UsageError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
         if self.data is not None:
             tasks = self._load(self.data, split, name=split)
             random.Random(seed).shuffle(tasks)
@@ -711,7 +711,7 @@ class IFEnv(Env):
     def benchmark(self, name, source=None, n=None):
         """Evaluation prompts: 'ifeval' (google/IFEval) or 'ifbench' (allenai/IFBench_test), or a local copy."""
         if name not in BENCHMARKS:
-            raise EnvError(f"unknown benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
+            raise UsageError(f"unknown benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
         return self._load(source or BENCHMARK_SOURCES[name], "train", name)[:n]
 
     def _load(self, source, split, name):
@@ -719,7 +719,7 @@ class IFEnv(Env):
         tasks, unknown, dropped = [], set(), 0
         for i, row in enumerate(rows):
             if not all(c in row for c in ("prompt", "instruction_id_list", "kwargs")):
-                raise EnvError(f"{source}: row {i} lacks prompt/instruction_id_list/kwargs")
+                raise UsageError(f"{source}: row {i} lacks prompt/instruction_id_list/kwargs")
             missing = [iid for iid in row["instruction_id_list"] if iid not in CHECKERS]
             if missing:
                 unknown.update(missing)
@@ -728,14 +728,14 @@ class IFEnv(Env):
             key = row.get("key", i)
             try:  # probe once so a bad kwarg fails here, at load time, not in the middle of training
                 check_instructions("Probe text.", row["instruction_id_list"], row["kwargs"], row["prompt"])
-            except EnvError as e:
-                raise EnvError(f"{source}: row {key}: {e}") from None
+            except UsageError as e:
+                raise UsageError(f"{source}: row {key}: {e}") from None
             tasks.append(Task(id=f"if-{name}-{key}", env="if", split=name,
                               messages=[{"role": "user", "content": row["prompt"]}],
                               gold={"instruction_id_list": list(row["instruction_id_list"]),
                                     "kwargs": list(row["kwargs"]), "prompt": row["prompt"]}))
         if unknown and not self.skip_unknown:
-            raise EnvError(f"{source}: {dropped} rows use instruction ids without a checker: "
+            raise UsageError(f"{source}: {dropped} rows use instruction ids without a checker: "
                            f"{', '.join(sorted(unknown))} (pass skip_unknown=True to drop them)")
         if dropped:
             print(f"[if] {source}: dropped {dropped} rows with unimplemented ids ({', '.join(sorted(unknown))})")
@@ -785,15 +785,15 @@ def _load_rows(source, split):
         files = [source] if os.path.isfile(source) else sorted(
             os.path.join(source, f) for f in os.listdir(source) if f.endswith((".jsonl", ".json", ".parquet")))
         if not files:
-            raise EnvError(f"no .jsonl/.json/.parquet files in {source}")
+            raise UsageError(f"no .jsonl/.json/.parquet files in {source}")
         kind = "parquet" if files[0].endswith(".parquet") else "json"
         args, kw = (kind,), {"data_files": files, "split": "train"}
     elif source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
-        raise EnvError(f"data file not found: {source}")
+        raise UsageError(f"data file not found: {source}")
     else:
         args, kw = (source,), {"split": split}
     try:
         return list(datasets.load_dataset(*args, **kw))
     except Exception as e:  # network, missing split, malformed file: one line for the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise EnvError(f"cannot load IF data from {source!r}: {msg}") from None
+        raise UsageError(f"cannot load IF data from {source!r}: {msg}") from None

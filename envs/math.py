@@ -28,7 +28,7 @@ import re
 import threading
 import zlib
 
-from envs.base import SPLITS, Env, EnvError, EpisodeState, Task
+from envs.base import SPLITS, Env, EpisodeState, Task, UsageError
 
 SYSTEM = "Math: solve. Put the final answer in \\boxed{}."
 BOXED_HINT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -100,7 +100,7 @@ def grade(response: str, gold: dict) -> float:
     gold = {"kind": "exact" | "math_verify" | "choice", "answer": str}."""
     kind = gold.get("kind")
     if kind not in ("exact", "math_verify", "choice"):
-        raise EnvError(f"unknown grading kind {kind!r}; expected exact, math_verify or choice")
+        raise UsageError(f"unknown grading kind {kind!r}; expected exact, math_verify or choice")
     try:
         answer = str(gold["answer"])
         got = last_boxed(response)
@@ -224,31 +224,31 @@ def load_rows(source: str, split: str = "train", configs=(None,)) -> list:
         if os.path.isfile(path):
             builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
             if builder is None:
-                raise EnvError(f"unsupported data file {source!r}; expected .jsonl, .json, .parquet or .csv")
+                raise UsageError(f"unsupported data file {source!r}; expected .jsonl, .json, .parquet or .csv")
             parts = [datasets.load_dataset(builder, data_files=path, split="train")]
         elif os.path.isdir(path):
             found = datasets.load_dataset(path)  # split names come from the file names (train.jsonl, ...)
             if split not in found and len(found) != 1:
-                raise EnvError(f"no {split!r} split in {source!r}; it has {', '.join(found)}")
+                raise UsageError(f"no {split!r} split in {source!r}; it has {', '.join(found)}")
             parts = [found[split] if split in found else next(iter(found.values()))]
         elif local:
-            raise EnvError(f"data not found: {source}")
+            raise UsageError(f"data not found: {source}")
         else:
             parts = [datasets.load_dataset(source, config, split=split) for config in configs]
-    except EnvError:
+    except UsageError:
         raise
     except Exception as e:  # a malformed file or an unreachable hub id: one line for the user
         first = (str(e).strip().splitlines() or [""])[0]
-        raise EnvError(f"cannot load {source!r}: {type(e).__name__}: {first}") from None
+        raise UsageError(f"cannot load {source!r}: {type(e).__name__}: {first}") from None
     rows = [dict(row) for part in parts for row in part]
     if not rows:
-        raise EnvError(f"no rows in {source!r}")
+        raise UsageError(f"no rows in {source!r}")
     return rows
 
 
 def _column(row: dict, name: str, i: int, source: str):
     if row.get(name) is None:
-        raise EnvError(f"row {i} of {source!r} has no {name!r} column")
+        raise UsageError(f"row {i} of {source!r} has no {name!r} column")
     return row[name]
 
 
@@ -258,7 +258,7 @@ def _train_task(row: dict, i: int, source: str) -> Task:
     answer = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
     answer = row.get("answer") if answer is None else answer
     if answer is None or str(answer).strip() == "":
-        raise EnvError(f"row {i} of {source!r} has no answer (expected reward_model.ground_truth or answer)")
+        raise UsageError(f"row {i} of {source!r} has no answer (expected reward_model.ground_truth or answer)")
     prompt = row.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
                                                    for m in prompt):
@@ -267,7 +267,7 @@ def _train_task(row: dict, i: int, source: str) -> Task:
         problem = row["problem"] if isinstance(row.get("problem"), str) else prompt
         messages = [{"role": "user", "content": f"{problem}\n\n{BOXED_HINT}"}]
     else:
-        raise EnvError(f"row {i} of {source!r} has no problem (expected a 'prompt' chat list or 'problem' text)")
+        raise UsageError(f"row {i} of {source!r} has no problem (expected a 'prompt' chat list or 'problem' text)")
     return Task(id=f"math-train-{i}", env="math", split="train", messages=messages,
                 gold={"kind": "math_verify", "answer": str(answer).strip()})
 
@@ -302,12 +302,12 @@ class MathEnv(Env):
 
     def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list:
         if split not in SPLITS:
-            raise EnvError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+            raise UsageError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
         if n is not None and (not isinstance(n, int) or n < 0):
-            raise EnvError(f"n must be a non-negative integer, got {n!r}")
+            raise UsageError(f"n must be a non-negative integer, got {n!r}")
         if self.train_tasks is not None:
             if split != "train":
-                raise EnvError(f"math with real data has only a 'train' split; evaluate with benchmark(), "
+                raise UsageError(f"math with real data has only a 'train' split; evaluate with benchmark(), "
                                f"one of {', '.join(BENCHMARKS)}")
             tasks = list(self.train_tasks)
             random.Random(seed).shuffle(tasks)
@@ -349,7 +349,7 @@ class MathEnv(Env):
     def benchmark(self, name: str, source: str | None = None, n: int | None = None) -> list:
         """Evaluation tasks of a full-scale benchmark (see BENCHMARKS), from its HF id or `source`."""
         if name not in BENCHMARKS:
-            raise EnvError(f"unknown math benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
+            raise UsageError(f"unknown math benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
         hub_id, configs, split = BENCHMARK_SOURCES[name]
         src = source or hub_id
         rows = load_rows(src, split, configs if source is None else (None,))
@@ -374,6 +374,6 @@ class MathEnv(Env):
                 answer = _column(row, "answer", i, src)
                 if not isinstance(choices, list) or not 2 <= len(choices) <= 26 or not (
                         isinstance(answer, int) and 0 <= answer < len(choices)):
-                    raise EnvError(f"row {i} of {src!r}: expected a list of choices and an int answer index")
+                    raise UsageError(f"row {i} of {src!r}: expected a list of choices and an int answer index")
                 tasks.append(_choice_task(name, i, question, choices, answer))
         return tasks if n is None else tasks[:n]

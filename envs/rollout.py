@@ -1,4 +1,5 @@
-"""The multi-turn rollout loop over any environment, and the `hf` generation backend.
+"""The multi-turn rollout loop over any environment, the generation backends, and the one factory that picks
+one (make_backend) with the weight push into it (push_weights).
 
     from envs.rollout import HFBackend, rollout
     episodes = rollout(HFBackend(model, tok), tok, [(env, task) for task in tasks], n_samples=8)
@@ -11,7 +12,8 @@ appended with mask 0. A backend is anything with
              adapters: list[str | None] | None = None) -> list[Generation]
 (adapters: a LoRA adapter directory per prompt, or None for the base weights), plus load_weights(named
 tensors) for the weight push after an update and sleep()/wake() around the training phase. Two are here:
-HFBackend (transformers, the default, any device) and VLLMBackend (a colocated vLLM engine; optional import).
+HFBackend (transformers, the default, any device) and VLLMBackend (a colocated vLLM engine; optional import);
+every script gets its backend from make_backend.
 
 Command line, to look at a checkpoint's behaviour and speed on the tiny arena:
     python -m envs.rollout --ckpt runs/tiny/base --domains math,search,ecommerce,if --splits test,ood --n 100 --show 1
@@ -23,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from envs.base import UsageError
 
 # The tiny arena's limits per episode and per assistant turn (the rollout defaults; evaluate.py's tiny suite
 # and train_seq.py's tiny preset use them too). A by-the-book e-commerce episode runs to ~1,230 tokens (an
@@ -325,6 +329,44 @@ def shared_vllm(path, tokenizer, **kw):
     return _ENGINE, False
 
 
+# ----------------------------------------------------------------------------- the one backend factory
+
+def make_backend(kind: str, tok, path: str, *, policy=None, device=None, gen_batch: int = 64, bf16: bool = False,
+                 gpu_util: float = 0.5, max_tokens: int = MAX_TOKENS, seed: int = 0, attn: str = "sdpa"):
+    """(backend, engine_model): what rollouts are sampled with, for a training script (policy: the model being
+    trained, maybe FSDP2-sharded) or an evaluation (policy None: the checkpoint at `path` is what is sampled).
+    kind "vllm": the process's one colocated vLLM engine (engine_model None); started from `path` by the first
+    call, and given the policy's weights (or, without a policy, `path`'s tensors) by a push on every later call.
+    kind "hf": without a policy, `path` loaded in eval mode; single process, the policy itself; under FSDP2 an
+    unsharded copy on each rank (bf16 with bf16), refreshed by push_weights after every update."""
+    from common import checkpoint_tensors, full_params, load_policy, print0, rank, same_tensors, sharded
+    if kind == "vllm":
+        engine, started = shared_vllm(path, tok, dtype="bfloat16" if bf16 else "float32", gpu_util=gpu_util,
+                                      max_model_len=max_tokens, seed=seed + rank(), max_batch=gen_batch)
+        if started:
+            print0(f"vllm backend: {engine.support}")
+        elif policy is not None:
+            engine.load_weights(full_params(policy))
+        else:
+            same_tensors(engine.path, [path])
+            engine.load_weights(checkpoint_tensors(path))
+        return engine, None
+    if kind != "hf":
+        raise UsageError(f"unknown backend {kind!r}; expected hf or vllm")
+    if policy is not None and not sharded():
+        return HFBackend(policy, tok, gen_batch), policy
+    engine, _ = load_policy(path, device or torch.device("cpu"), attn, dtype=torch.bfloat16 if bf16 else torch.float32)
+    return HFBackend(engine.eval(), tok, gen_batch), engine
+
+
+def push_weights(backend, policy):
+    """After an update: gather the policy's parameters one at a time and copy them into the engine
+    (a no-op when the engine is the policy itself)."""
+    from common import full_params
+    if getattr(backend, "model", None) is not policy:
+        backend.load_weights(full_params(policy))
+
+
 class ChatML:
     """The token pieces the loop needs from a ChatML (Qwen-family) chat template: the prompt, the
     text that closes an assistant turn, and the rendering of observation messages (tool results or a
@@ -447,20 +489,17 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=0, help="print this many transcripts per (domain, split)")
     a = p.parse_args()
-    import os
+    from transformers import AutoTokenizer
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from envs import EnvError, make_env, parse_domains
+    from envs import make_env, parse_domains
     try:
         domains = parse_domains(a.domains)
         if not os.path.isdir(a.ckpt):
-            raise EnvError(f"checkpoint directory not found: {a.ckpt}")
-    except EnvError as e:
+            raise UsageError(f"checkpoint directory not found: {a.ckpt}")
+    except UsageError as e:
         sys.exit(f"error: {e}")
     tok = AutoTokenizer.from_pretrained(a.ckpt)
-    model = AutoModelForCausalLM.from_pretrained(a.ckpt).eval()
-    backend = HFBackend(model, tok, a.batch)
+    backend, _ = make_backend("hf", tok, a.ckpt, gen_batch=a.batch)
     print("| domain | split | reward | metrics | episodes | sampled tok/s |\n|---|---|---|---|---|---|")
     for d in domains:
         env = make_env(d)

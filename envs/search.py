@@ -39,9 +39,9 @@ import bm25s
 from envs.base import (
     SPLITS,
     Env,
-    EnvError,
     EpisodeState,
     Task,
+    UsageError,
     function_schema,
     parse_tool_calls,
     read_jsonl,
@@ -131,7 +131,7 @@ class BM25Index:
 def read_corpus(path: str) -> list:
     """The `contents` of every row of a wiki-18 style JSONL, streamed (wiki-18 is ~21M lines)."""
     if not os.path.isfile(path):
-        raise EnvError(f"corpus file not found: {path}")
+        raise UsageError(f"corpus file not found: {path}")
     contents = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
@@ -140,12 +140,12 @@ def read_corpus(path: str) -> list:
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise EnvError(f"malformed JSON on line {i} of corpus {path}: {e}") from None
+                raise UsageError(f"malformed JSON on line {i} of corpus {path}: {e}") from None
             if not isinstance(row, dict) or not isinstance(row.get("contents"), str):
-                raise EnvError(f"line {i} of corpus {path} has no string 'contents' (wiki-18 format: id, contents)")
+                raise UsageError(f"line {i} of corpus {path} has no string 'contents' (wiki-18 format: id, contents)")
             contents.append(row["contents"])
     if not contents:
-        raise EnvError(f"corpus {path} is empty")
+        raise UsageError(f"corpus {path} is empty")
     return contents
 
 
@@ -170,7 +170,7 @@ def load_qa(path: str, dataset: str) -> list:
         golds = [golds] if isinstance(golds, str) else golds
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(golds, list) \
                 or not golds:
-            raise EnvError(f"row {i} of {path} needs a string 'question' and a non-empty 'golden_answers' list")
+            raise UsageError(f"row {i} of {path} needs a string 'question' and a non-empty 'golden_answers' list")
         rows.append({"id": str(row.get("id", i)), "question": row["question"], "answers": [str(g) for g in golds],
                      "dataset": dataset})
     return rows
@@ -300,9 +300,9 @@ class SearchEnv(Env):
                  retriever_url: str | None = None, data: str | None = None, seed: int = 0,
                  timeout: float = 30.0):
         if topk is not None and topk < 1:
-            raise EnvError(f"topk must be >= 1, got {topk}")
+            raise UsageError(f"topk must be >= 1, got {topk}")
         if corpus and retriever_url:
-            raise EnvError("give either corpus or retriever_url, not both")
+            raise UsageError("give either corpus or retriever_url, not both")
         self.seed, self.timeout = seed, timeout
         self.data, self.retriever_url = data, retriever_url
         self.full = bool(data or corpus or retriever_url)
@@ -311,9 +311,9 @@ class SearchEnv(Env):
         self.topk = topk or (3 if self.full else 1)
         self.max_turns = max_turns or (5 if self.full else 4)
         if self.full and not (corpus or retriever_url):
-            raise EnvError("real search data needs a retriever: pass corpus=<wiki-18 JSONL> or retriever_url=<URL>")
+            raise UsageError("real search data needs a retriever: pass corpus=<wiki-18 JSONL> or retriever_url=<URL>")
         if data and not os.path.exists(data):
-            raise EnvError(f"search data not found: {data}")
+            raise UsageError(f"search data not found: {data}")
         self.world = None if self.full else build_world(seed)
         if corpus:
             self.index = BM25Index(read_corpus(corpus))
@@ -332,7 +332,7 @@ class SearchEnv(Env):
 
     def tasks(self, split: str, n: int | None = None, seed: int = 0) -> list:
         if split not in SPLITS:
-            raise EnvError(f"unknown split {split!r} for search; expected one of {', '.join(SPLITS)}")
+            raise UsageError(f"unknown split {split!r} for search; expected one of {', '.join(SPLITS)}")
         if self.full:
             rows = self._real_split(split)
             if n is not None and n < len(rows):
@@ -351,22 +351,22 @@ class SearchEnv(Env):
     def benchmark(self, name: str, source: str | None = None, n: int | None = None) -> list:
         """A real benchmark's eval set (test.jsonl, else dev.jsonl), from `source` or the `data` directory."""
         if name not in BENCHMARKS:
-            raise EnvError(f"unknown search benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
+            raise UsageError(f"unknown search benchmark {name!r}; expected one of {', '.join(BENCHMARKS)}")
         if not self.full:
-            raise EnvError("search benchmarks need real data: construct SearchEnv(data=..., corpus=... or retriever_url=...)")
+            raise UsageError("search benchmarks need real data: construct SearchEnv(data=..., corpus=... or retriever_url=...)")
         source = source or self.data
         if not source or not os.path.exists(source):
-            raise EnvError(f"search data not found for benchmark {name!r}: {source}")
+            raise UsageError(f"search data not found for benchmark {name!r}: {source}")
         path = source if os.path.isfile(source) else qa_file(source, name)
         if path is None:
-            raise EnvError(f"no {name}/test.jsonl or {name}/dev.jsonl under {source}")
+            raise UsageError(f"no {name}/test.jsonl or {name}/dev.jsonl under {source}")
         rows = load_qa(path, name)[:n]
         return [self._task(name, f"{name}-{r['id']}", r["question"], r["answers"], dataset=name,
                            multi_hop=name in MULTI_HOP) for r in rows]
 
     def _real_split(self, split: str) -> list:
         if not self.data:
-            raise EnvError("search tasks at full scale need data=<FlashRAG directory or JSONL file>")
+            raise UsageError("search tasks at full scale need data=<FlashRAG directory or JSONL file>")
         if os.path.isfile(self.data):  # a single file is one dataset, used for whichever split is asked
             return load_qa(self.data, os.path.splitext(os.path.basename(self.data))[0])
         rows = []
@@ -375,7 +375,7 @@ class SearchEnv(Env):
             rows += load_qa(path, name) if path else []
         if not rows:
             wanted = ", ".join(f"{name}/{s or 'test|dev'}.jsonl" for name, s in SPLIT_SOURCES[split])
-            raise EnvError(f"no data for search split {split!r} under {self.data}: expected one of {wanted}")
+            raise UsageError(f"no data for search split {split!r} under {self.data}: expected one of {wanted}")
         return rows
 
     # -- episodes
@@ -444,7 +444,7 @@ class SearchEnv(Env):
         the train names fixed and only the facts redrawn, it wrote a memorised train name into the query
         and never answered a test question (whose names it had not seen)."""
         if self.full:
-            raise EnvError("search demos exist only for the tiny world")
+            raise UsageError("search demos exist only for the tiny world")
         rng = random.Random(f"search-demos:{seed}")
         held_out = frozenset(e["name"] for e in self.world.values() if e["pool"] != "train")
         out = []

@@ -291,21 +291,21 @@ def main():
     p.add_argument("--loss-on", default="all", choices=["all", "assistant"],
                    help="pre-training loss on every token of a conversation, or on assistant tokens only")
     a = p.parse_args()
-    from envs import DOMAINS, EnvError, parse_domains
+    from envs import DOMAINS, UsageError, parse_domains
     try:
         domains = parse_domains(a.domains)
         if a.steps < 1 or a.n_demos < 1 or not 0 <= a.noise <= 1 or a.lr <= 0 or a.vocab_size < 300:
-            raise EnvError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
+            raise UsageError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
         if a.drill_steps < 0 or a.drill_lr <= 0 or a.copy_docs < 0:
-            raise EnvError("need --drill-steps >= 0, --drill-lr > 0, --copy-docs >= 0")
+            raise UsageError("need --drill-steps >= 0, --drill-lr > 0, --copy-docs >= 0")
         mix = None if a.mix is None else {}   # None: build_base's DEFAULT_MIX
         for item in filter(None, (a.mix or "").split(",")):
             group, _, w = item.partition("=")
             if group.strip() not in [*DOMAINS, "generic", "copy"] or not w.replace(".", "", 1).isdigit() or float(w) <= 0:
-                raise EnvError(f"bad --mix item {item!r}: want group=weight > 0, group one of "
+                raise UsageError(f"bad --mix item {item!r}: want group=weight > 0, group one of "
                                f"{', '.join(DOMAINS)}, generic, copy")
             mix[group.strip()] = float(w)
-    except EnvError as e:
+    except UsageError as e:
         sys.exit(f"error: {e}")
     build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
                domains, a.threads, a.loss_on, mix, a.copy_docs, a.drill_steps, a.drill_lr)

@@ -1,8 +1,10 @@
 """Run by tests/test_train_seq.py, once alone and once under `torchrun --standalone --nproc_per_node=2`
-(gloo): one GRPO update (train_seq.train_on with the clipped surrogate) of a micro Qwen3 on a fixed
+(gloo): one GRPO update (train_step.train_on with train_seq's clipped surrogate) of a micro Qwen3 on a fixed
 global batch of episodes, each rank taking its share, FSDP2-sharded when distributed. The sampler's
 log-probs are perturbed so the clip and the importance weight are exercised. Rank 0 writes the loss,
-the clip fraction and the updated full state dict to argv[1]."""
+the clip fraction and the updated full state dict to argv[1]. argv[4] "uneven": rank 0 holds 7 episodes and
+rank 1 one (train_on and episode_logprobs must pad the smaller rank's passes), and the episodes' log-probs
+(train_step.episode_logprobs, gathered) are written too."""
 import argparse
 import os
 import sys
@@ -14,7 +16,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from common import full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
 from envs.rollout import Episode  # noqa: E402
-from train_seq import grpo_token_loss, train_on  # noqa: E402
+from train_seq import grpo_loss  # noqa: E402
+from train_step import episode_logprobs, train_on  # noqa: E402
 
 
 def episodes(n: int = 8):
@@ -41,14 +44,25 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     eps = episodes()
     adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
-    a = argparse.Namespace(micro_batch=int(sys.argv[2]) if len(sys.argv) > 2 else 3, agg=sys.argv[3] if len(sys.argv) > 3
-                           else "token", clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, grad_clip=1e9)
+    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0)
     per = len(eps) // world_size()
     mine = slice(rank() * per, (rank() + 1) * per)
-    loss, clip = train_on(model, opt, eps[mine], grpo_token_loss, a, adv=adv[mine])
+    if len(sys.argv) > 4 and sys.argv[4] == "uneven" and world_size() == 2:
+        mine = slice(0, 7) if rank() == 0 else slice(7, 8)
+    mb = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    lps = episode_logprobs(model, eps[mine], micro_batch=mb)
+    if world_size() > 1:
+        import torch.distributed as dist
+        parts = [None] * world_size()
+        dist.all_gather_object(parts, lps)
+        lps = [x for part in parts for x in part]
+    loss, stats = train_on(model, opt, eps[mine], lambda lp, b, x: grpo_loss(lp, b, x, a),
+                           micro_batch=mb,
+                           agg=sys.argv[3] if len(sys.argv) > 3 else "token", grad_clip=1e9, extras=dict(adv=adv[mine]))
+    clip = stats["clip"]
     sd = full_state_dict(model)
     if rank() == 0:
-        torch.save({"loss": loss, "clip": clip, "state": sd}, sys.argv[1])
+        torch.save({"loss": loss, "clip": clip, "state": sd, "logprobs": lps}, sys.argv[1])
     teardown()
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.base import EnvError, parse_tool_calls, tool_call_text
+from envs.base import UsageError, parse_tool_calls, tool_call_text
 from envs.ecommerce import (
     SCHEMAS,
     TOOLS,
@@ -356,9 +356,9 @@ def test_default_sizes_and_ood_is_another_domain():
 
 
 def test_unknown_split_is_a_clear_error():
-    with pytest.raises(EnvError, match="unknown split 'dev'"):
+    with pytest.raises(UsageError, match="unknown split 'dev'"):
         ENV.tasks("dev")
-    with pytest.raises(EnvError, match="unknown domain"):
+    with pytest.raises(UsageError, match="unknown domain"):
         make_env("shop")
     assert isinstance(make_env("ecommerce"), EcommerceEnv)
 
@@ -624,32 +624,32 @@ def test_full_scale_tools_on_the_tau_bench_store():
 
 def test_bad_data_is_a_clear_error(tmp_path):
     url = "http://127.0.0.1:9/v1"
-    with pytest.raises(EnvError, match="data directory not found"):
+    with pytest.raises(UsageError, match="data directory not found"):
         EcommerceEnv(data=str(tmp_path / "nope"), user_url=url)
-    with pytest.raises(EnvError, match="needs an LLM user"):
+    with pytest.raises(UsageError, match="needs an LLM user"):
         EcommerceEnv(data=write_v1(tmp_path / "v1"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(EnvError, match="no retail database"):
+    with pytest.raises(UsageError, match="no retail database"):
         EcommerceEnv(data=str(tmp_path / "empty"), user_url=url)
     root = tmp_path / "broken"
     write_tau2(root)
     (root / "db.json").write_text("{not json")
-    with pytest.raises(EnvError, match="malformed JSON"):
+    with pytest.raises(UsageError, match="malformed JSON"):
         EcommerceEnv(data=str(root), user_url=url)
     root = tmp_path / "t2"
     env = EcommerceEnv(data=write_tau2(root), user_url=url)
-    with pytest.raises(EnvError, match="unknown split 'ood'"):
+    with pytest.raises(UsageError, match="unknown split 'ood'"):
         env.tasks("ood")
     (root / "tasks.json").write_text("[{\"id\": \"0\", \"evaluation_criteria\": {\"actions\": [{\"name\": \"rm\"}]}}]")
     (root / "split_tasks.json").write_text(json.dumps({"test": ["0"]}))
-    with pytest.raises(EnvError, match="unknown gold action 'rm'"):
+    with pytest.raises(UsageError, match="unknown gold action 'rm'"):
         env.tasks("test")
     (root / "tasks.json").write_text("[1, 2")
-    with pytest.raises(EnvError, match="malformed JSON"):
+    with pytest.raises(UsageError, match="malformed JSON"):
         env.tasks("test")
     v1 = tmp_path / "v1"
     env = EcommerceEnv(data=str(v1), user_url=url)
-    with pytest.raises(EnvError, match="no tasks for split 'train'"):
+    with pytest.raises(UsageError, match="no tasks for split 'train'"):
         env.tasks("train")
 
 
@@ -659,11 +659,11 @@ def test_v1_task_files_are_read_as_data_never_run(tmp_path):
     marker = tmp_path / "ran"
     (root / "tasks_test.py").write_text(f"import os\nTASKS = [os.system('touch {marker}')]\n")
     env = EcommerceEnv(data=str(root), user_url="http://127.0.0.1:9/v1")
-    with pytest.raises(EnvError, match="unsupported task"):
+    with pytest.raises(UsageError, match="unsupported task"):
         env.tasks("test")
     assert not marker.exists()
     (root / "tasks_test.py").write_text("TASKS = [\n")
-    with pytest.raises(EnvError, match="cannot parse"):
+    with pytest.raises(UsageError, match="cannot parse"):
         env.tasks("test")
     # The older v1 layout: a plain list of dicts, in a .py or a .json file.
     (root / "tasks_test.py").unlink()

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.base import EnvError, tool_call_text
+from envs.base import UsageError, tool_call_text
 from envs.instruct import (
     ARENA,
     IFBENCH,
@@ -148,13 +148,13 @@ def test_none_kwargs_dropped_think_stripped_empty_fails():
 
 
 def test_bad_instruction_data_raises_enverror():
-    with pytest.raises(EnvError, match="unknown instruction id 'nope:x'"):
+    with pytest.raises(UsageError, match="unknown instruction id 'nope:x'"):
         check_instructions("text", ["nope:x"], [{}])
-    with pytest.raises(EnvError, match="relation"):
+    with pytest.raises(UsageError, match="relation"):
         check_instructions("text", ["length_constraints:number_words"], [{"num_words": 3, "relation": "about"}])
-    with pytest.raises(EnvError, match="num_bullets"):
+    with pytest.raises(UsageError, match="num_bullets"):
         check_instructions("text", ["detectable_format:number_bullet_lists"], [{}])
-    with pytest.raises(EnvError, match="2 instruction ids but 1 kwargs"):
+    with pytest.raises(UsageError, match="2 instruction ids but 1 kwargs"):
         check_instructions("text", ["punctuation:no_comma", "startend:quotation"], [{}])
 
 
@@ -279,15 +279,15 @@ def test_fuzz_env_never_raises_and_reward_in_range(text, idx):
 
 def test_bad_user_input():
     env = IFEnv()
-    with pytest.raises(EnvError, match="unknown split 'dev'"):
+    with pytest.raises(UsageError, match="unknown split 'dev'"):
         env.tasks("dev")
-    with pytest.raises(EnvError, match="unknown benchmark 'mmlu'"):
+    with pytest.raises(UsageError, match="unknown benchmark 'mmlu'"):
         env.benchmark("mmlu")
-    with pytest.raises(EnvError, match="not found"):
+    with pytest.raises(UsageError, match="not found"):
         env.benchmark("ifeval", source="/no/such/ifeval.jsonl")
-    with pytest.raises(EnvError, match="not found"):
+    with pytest.raises(UsageError, match="not found"):
         IFEnv(data="./missing_dir/train.parquet").tasks("train")
-    with pytest.raises(EnvError, match="unknown domain"):
+    with pytest.raises(UsageError, match="unknown domain"):
         make_env("iff")
 
 
@@ -349,7 +349,7 @@ def test_ifbench_loader_unknown_ids(tmp_path, capsys):
                  [{"keyword1": "a1", "keyword2": "b2", "keyword3": "c3", "keyword4": "d4", "keyword5": "e5"}]),
             _row("2", "Start with a verb.", ["words:start_verb"], [{}])]
     source = _write_jsonl(tmp_path / "IFBench_test.jsonl", rows)
-    with pytest.raises(EnvError, match="words:start_verb"):
+    with pytest.raises(UsageError, match="words:start_verb"):
         IFEnv().benchmark("ifbench", source=source)
     env = IFEnv(skip_unknown=True)
     tasks = env.benchmark("ifbench", source=source)
@@ -362,15 +362,15 @@ def test_ifbench_loader_unknown_ids(tmp_path, capsys):
 def test_malformed_task_files(tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"key": 1, "prompt": "x"\n')
-    with pytest.raises(EnvError, match="cannot load IF data"):
+    with pytest.raises(UsageError, match="cannot load IF data"):
         IFEnv().benchmark("ifeval", source=str(bad_json))
     no_cols = _write_jsonl(tmp_path / "nocols.jsonl", [{"key": 1, "text": "x"}])
-    with pytest.raises(EnvError, match="lacks prompt/instruction_id_list/kwargs"):
+    with pytest.raises(UsageError, match="lacks prompt/instruction_id_list/kwargs"):
         IFEnv().benchmark("ifeval", source=no_cols)
     bad_kw = _write_jsonl(tmp_path / "badkw.jsonl", [_row(7, "x", ["length_constraints:number_words"],
                                                           [{"num_words": 5, "relation": "roughly"}])])
-    with pytest.raises(EnvError, match="row 7"):
+    with pytest.raises(UsageError, match="row 7"):
         IFEnv().benchmark("ifeval", source=bad_kw)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(EnvError, match="no .jsonl/.json/.parquet files"):
+    with pytest.raises(UsageError, match="no .jsonl/.json/.parquet files"):
         IFEnv().benchmark("ifeval", source=str(tmp_path / "empty"))

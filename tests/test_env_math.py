@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.base import EnvError, Task
+from envs.base import Task, UsageError
 from envs.math import BENCHMARKS, MathEnv, grade, last_boxed, problem_key, split_of, working
 
 
@@ -115,7 +115,7 @@ def test_grade_choice():
 
 
 def test_grade_unknown_kind_is_a_user_error():
-    with pytest.raises(EnvError, match="unknown grading kind"):
+    with pytest.raises(UsageError, match="unknown grading kind"):
         grade("\\boxed{1}", {"kind": "fuzzy", "answer": "1"})
 
 
@@ -265,7 +265,7 @@ def test_dapo_jsonl_loader(tmp_path):
     assert run(env, task, "\\boxed{3}")[1] == (1.0, {"acc": 1.0, "boxed": 1.0})
     assert run(env, task, "\\boxed{6}")[1][0] == 0.0
     assert [t.id for t in env.tasks("train", n=1, seed=0)] == [t.id for t in env.tasks("train", n=1, seed=0)]
-    with pytest.raises(EnvError, match="only a 'train' split"):
+    with pytest.raises(UsageError, match="only a 'train' split"):
         env.tasks("test")
 
 
@@ -352,7 +352,7 @@ def test_bad_user_input(tmp_path, env):
         (lambda: env.benchmark("aime24"), "unknown math benchmark"),
         (lambda: env.benchmark("aime26", source=str(tmp_path / "aime.parquet")), "data not found"),
     ]:
-        with pytest.raises(EnvError, match=pattern) as e:
+        with pytest.raises(UsageError, match=pattern) as e:
             call()
         one_line(e)
 
@@ -377,7 +377,7 @@ def test_malformed_files(tmp_path):
         (lambda: MathEnv().benchmark("gpqa_diamond", source=gpqa), "Incorrect Answer 1"),
         (lambda: MathEnv().benchmark("mmlu_redux", source=mmlu), "int answer index"),
     ]:
-        with pytest.raises(EnvError, match=pattern) as e:
+        with pytest.raises(UsageError, match=pattern) as e:
             call()
         one_line(e)
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.base import EnvError, tool_call_text
+from envs.base import UsageError, tool_call_text
 from envs.search import (
     BENCHMARKS,
     BM25Index,
@@ -341,7 +341,7 @@ def test_bad_user_input_raises_one_clear_line(flashrag, tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"id": "0", "contents": "x"}\n{not json\n')
     cases.append((lambda: SearchEnv(corpus=str(tmp_path / "broken.jsonl")), "malformed JSON on line 2"))
     for make, message in cases:
-        with pytest.raises(EnvError, match=message) as e:
+        with pytest.raises(UsageError, match=message) as e:
             make()
         assert "\n" not in str(e.value)
     assert len(BENCHMARKS) == 7

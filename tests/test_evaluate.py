@@ -14,7 +14,7 @@ from test_env_ecommerce import write_tau2
 
 import evaluate
 from common import save_checkpoint
-from envs import EnvError
+from envs import UsageError
 from envs.rollout import Generation
 
 torch.set_num_threads(1)
@@ -178,8 +178,16 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     # A later stage alone: the matrix takes the base and stage 1 from the saved results.
     r = run_cli("--ckpt", str(runs / "seq/2-if"), *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "rows from saved results: base, seq-1-math" in r.stdout
+    assert "rows from saved results: base <- base.json (n=4), seq-1-math <- seq-1-math.json (n=4)" in r.stdout
     assert json.loads((ev / "seq_matrix.json").read_text())["rows"] == ["base", "seq-1-math", "seq-2-if"]
+    # A stage that only a training run evaluated (eval/inrun/, fewer tasks): used, and said so
+    os.makedirs(ev / "inrun")
+    os.replace(ev / "seq-1-math.json", ev / "inrun" / "seq-1-math.json")
+    r = run_cli("--ckpt", str(runs / "seq/2-if"), *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "seq-1-math <- inrun/seq-1-math.json (n=4)" in r.stdout
+    m = json.loads((ev / "seq_matrix.json").read_text())
+    assert m["rows"] == ["base", "seq-1-math", "seq-2-if"] and m["sources"]["seq-2-if"] == "this run"
     # --out-dir overrides runs/<preset>/eval
     r = run_cli("--ckpt", str(runs / "base"), *FAST, "--out-dir", str(tmp_path / "elsewhere"))
     assert r.returncode == 0 and os.listdir(tmp_path / "elsewhere") == ["base.json"]
@@ -275,7 +283,7 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
     assert res["bamboogle"]["metrics"]["answered"] == 1.0 and "f1" in res["bamboogle"]["metrics"]
     assert res["tau_retail"]["metrics"]["user_error"] == 0.0 and res["tau_retail"]["metrics"]["db_match"] == 0.5
     assert evaluate.domain_score(res, "math") == 0.5 and evaluate.domain_score(res, "search") is None  # nq: absent
-    with pytest.raises(EnvError, match="tau_ood needs"):
+    with pytest.raises(UsageError, match="tau_ood needs"):
         evaluate.load_benchmarks("full", benchmarks=["tau_ood"], env_opts=env_opts)
-    with pytest.raises(EnvError, match="unknown full-suite benchmark 'aime25'"):
+    with pytest.raises(UsageError, match="unknown full-suite benchmark 'aime25'"):
         evaluate.load_benchmarks("full", sources={"aime25": "x"})

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import train_seq
-from common import KNOWN_CONFIGS, dry_run, model_config, resolve_attn, shard_rows
+from common import resolve_attn
+from train_step import KNOWN_CONFIGS, dry_run, model_config, shard_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +25,7 @@ def test_shard_rows_is_torch_chunk():
 def test_dry_run_qwen3_8b(tmp_path, capsys):
     a = train_seq.check_args(train_seq.get_args(["--preset", "qwen3-8b", "--dry-run", "--world-size", "16",
                                                  "--runs", str(tmp_path / "runs")]))
-    out = dry_run(a, 16, a.micro_batch, a.max_tokens)
+    out = dry_run(a, a.init, 16, a.micro_batch, a.max_tokens)
     text = capsys.readouterr().out
     assert out["n_params"] == 8_190_735_360                  # Qwen3-8B: 8.19B with its untied output head
     assert sum(out["per_rank"]) == out["n_params"]          # the shards cover the model exactly once
@@ -39,11 +40,11 @@ def test_dry_run_scales_with_world_size_and_offload(tmp_path):
     base = ["--preset", "qwen3-8b", "--dry-run", "--runs", str(tmp_path)]
     a8 = train_seq.check_args(train_seq.get_args(base + ["--world-size", "8"]))
     a64 = train_seq.check_args(train_seq.get_args(base + ["--world-size", "64"]))
-    m8, m64 = dry_run(a8, 8, 4, 8192), dry_run(a64, 64, 4, 8192)
+    m8, m64 = dry_run(a8, a8.init, 8, 4, 8192), dry_run(a64, a64.init, 64, 4, 8192)
     assert max(m8["per_rank"]) > 7 * max(m64["per_rank"])
     off = train_seq.check_args(train_seq.get_args(base + ["--world-size", "8", "--cpu-offload"]))
-    assert dry_run(off, 8, 4, 8192)["memory"]["weights+grads+adam (fp32, sharded)"] == 0
-    small = dry_run(a8, 8, 1, 8192)   # a smaller micro-batch shrinks activations and logits only
+    assert dry_run(off, off.init, 8, 4, 8192)["memory"]["weights+grads+adam (fp32, sharded)"] == 0
+    small = dry_run(a8, a8.init, 8, 1, 8192)   # a smaller micro-batch shrinks activations and logits only
     key = "logits (+ grad; fp32 work chunked)"
     assert small["memory"][key] < m8["memory"][key] < 5 * small["memory"][key]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_seq
+import train_step
 from envs.base import well_formed
 from envs.rollout import Episode
 
@@ -17,8 +18,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def ns(**kw):
-    base = dict(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, agg="token", micro_batch=4, grad_clip=1e9)
+    base = dict(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0)
     return argparse.Namespace(**(base | kw))
+
+
+def grpo(logp, old, sampler, adv, ref, a):
+    """train_seq.grpo_loss's per-token loss on hand-made tensors (mask 1 everywhere)."""
+    x = dict(adv=adv, old=old) | (dict(ref=ref) if ref is not None else {})
+    return train_seq.grpo_loss(logp, dict(slp=sampler, mask=torch.ones_like(logp)), x, a)[0]
 
 
 def ep(tid, reward, n=3):
@@ -41,17 +48,17 @@ def test_grpo_token_loss_clips_by_hand():
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[0.5, 1.0, 1.1, 1.5]]))     # ratios 0.5, 1.0, 1.1, 1.5
     a = ns()
-    pos = train_seq.grpo_token_loss(logp, old, old, torch.ones(1, 1), None, a)
+    pos = grpo(logp, old, old, torch.ones(1, 1), None, a)
     # A > 0: min(r A, clip(r) A) -> 0.5, 1.0, 1.1, 1.28 (clip-high caps the gain)
     assert pos.tolist()[0] == pytest.approx([-0.5, -1.0, -1.1, -1.28], rel=1e-6)
-    neg = train_seq.grpo_token_loss(logp, old, old, -torch.ones(1, 1), None, a)
+    neg = grpo(logp, old, old, -torch.ones(1, 1), None, a)
     # A < 0: min(-r, -clip(r)) -> -0.8 (clip-low), -1, -1.1, -1.5
     assert neg.tolist()[0] == pytest.approx([0.8, 1.0, 1.1, 1.5], rel=1e-6)
     # the truncated importance weight: sampler log-prob below the trainer's by log 3 -> weight capped at 2
-    w = train_seq.grpo_token_loss(old, old, old - torch.log(torch.tensor(3.0)), torch.ones(1, 1), None, a)
+    w = grpo(old, old, old - torch.log(torch.tensor(3.0)), torch.ones(1, 1), None, a)
     assert w.tolist()[0] == pytest.approx([-2.0] * 4, rel=1e-6)
     # k3 KL: exp(d) - d - 1 with d = ref - logp
-    k = train_seq.grpo_token_loss(old, old, old, torch.zeros(1, 1), torch.full((1, 4), 0.5), ns(kl_coef=0.1))
+    k = grpo(old, old, old, torch.zeros(1, 1), torch.full((1, 4), 0.5), ns(kl_coef=0.1))
     assert k.tolist()[0] == pytest.approx([0.1 * (torch.exp(torch.tensor(0.5)).item() - 1.5)] * 4, rel=1e-5)
 
 
@@ -75,7 +82,8 @@ def test_micro_batches_do_not_change_the_update(agg):
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(cfg)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        loss, _ = train_seq.train_on(model, opt, eps, train_seq.grpo_token_loss, ns(micro_batch=mb, agg=agg), adv=adv)
+        loss, _ = train_step.train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, ns()), micro_batch=mb,
+                                      agg=agg, grad_clip=1e9, extras=dict(adv=adv))
         out.append((loss, {k: v.clone() for k, v in model.state_dict().items()}))
     for loss, sd in out[1:]:
         assert loss == pytest.approx(out[0][0], rel=1e-5, abs=1e-7)
@@ -133,12 +141,12 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     calls = {"n": 0}
     real = train_seq.train_on
 
-    def dying(model, opt, episodes, token_loss, *a, **kw):
-        if token_loss is train_seq.grpo_token_loss and "search" in episodes[0].env:
+    def dying(model, opt, episodes, loss_fn, **kw):   # train_seq.train_on is GRPO's step (RFT's is in sft_epochs)
+        if "search" in episodes[0].env:
             calls["n"] += 1
             if calls["n"] == 2:
                 raise KeyboardInterrupt
-        return real(model, opt, episodes, token_loss, *a, **kw)
+        return real(model, opt, episodes, loss_fn, **kw)
 
     monkeypatch.setattr(train_seq, "train_on", dying)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -148,7 +156,7 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     assert os.path.isfile(os.path.join(runs, "seq", "2-search-rft", "acl_meta.json"))
     assert os.path.isfile(os.path.join(runs, "seq", ".resume-2-search.pt"))
     assert not os.path.exists(os.path.join(runs, "seq", "2-search"))
-    assert os.path.isfile(os.path.join(runs, "eval", "seq-1-math.json"))
+    assert os.path.isfile(os.path.join(runs, "eval", "inrun", "seq-1-math.json"))
     # the same command again: skips stage 1, reuses the RFT checkpoint, resumes GRPO at step 1
     r = run_cli(args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -159,7 +167,8 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     assert meta["stage"] == "search" and meta["curriculum_position"] == 2 and meta["method"] == "seq"
     assert meta["parent"] == os.path.abspath(os.path.join(runs, "seq", "1-math"))
     assert not os.path.exists(os.path.join(runs, "seq", ".resume-2-search.pt"))
-    res = json.load(open(os.path.join(runs, "eval", "seq-2-search.json")))["benchmarks"]
+    res = json.load(open(os.path.join(runs, "eval", "inrun", "seq-2-search.json")))["benchmarks"]
+    assert not os.path.exists(os.path.join(runs, "eval", "seq-2-search.json"))   # evaluate.py's name stays free
     assert {"math/test", "search/ood", "ecommerce/test", "if/ood"} <= set(res)
     # the checkpoint loads as a plain HF model
     from transformers import AutoModelForCausalLM
@@ -199,11 +208,11 @@ def test_bad_input_stops_before_writing(micro_base, tmp_path, bad, msg):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, monkeypatch, capsys):
     runs = str(tmp_path / "runs")
-    real = train_seq.grpo_token_loss
+    real = train_seq.grpo_loss
 
     def nan_on_search(logp, *a):
-        out = real(logp, *a)
-        return out * float("nan") if logp.size(1) > 0 and nan_on_search.stage == "search" else out
+        out, stats = real(logp, *a)
+        return (out * float("nan") if logp.size(1) > 0 and nan_on_search.stage == "search" else out), stats
 
     nan_on_search.stage = None
     real_stage = train_seq.run_stage
@@ -212,7 +221,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, mon
         nan_on_search.stage = domain
         return real_stage(i, domain, *a)
 
-    monkeypatch.setattr(train_seq, "grpo_token_loss", nan_on_search)
+    monkeypatch.setattr(train_seq, "grpo_loss", nan_on_search)
     monkeypatch.setattr(train_seq, "run_stage", stage)
     with pytest.raises(SystemExit) as e:
         train_seq.main(["--init", micro_base, "--runs", runs, "--curriculum", "math,search", *FAST, "--eval-n", "0",
@@ -234,24 +243,24 @@ def test_torchrun_two_ranks_end_to_end(micro_base, tmp_path):
     assert "2 process(es)" in r.stdout and "[seq/1-search] step 2/2" in r.stdout
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(os.path.join(runs, "seq", "1-search"))
-    assert os.path.isfile(os.path.join(runs, "eval", "seq-1-search.json"))
+    assert os.path.isfile(os.path.join(runs, "eval", "inrun", "seq-1-search.json"))
 
 
 def test_weight_push_copies_every_parameter(micro):
     """push_weights: the engine's model ends up equal to the policy (here, two separate micro models)."""
     import copy
 
-    from envs.rollout import HFBackend
+    from envs.rollout import HFBackend, push_weights
     policy, tok = micro
     engine = copy.deepcopy(policy)
     with torch.no_grad():
         for p in engine.parameters():
             p.add_(1.0)
     backend = HFBackend(engine, tok)
-    train_seq.push_weights(backend, policy)
+    push_weights(backend, policy)
     for (n, p), (_, q) in zip(policy.named_parameters(), engine.named_parameters()):
         assert torch.equal(p, q), n
-    train_seq.push_weights(HFBackend(policy, tok), policy)   # the engine is the policy: nothing to do
+    push_weights(HFBackend(policy, tok), policy)   # the engine is the policy: nothing to do
 
 
 def test_prompt_shared_logprobs_equal_full_sequence_teacher_forcing():
@@ -269,10 +278,10 @@ def test_prompt_shared_logprobs_equal_full_sequence_teacher_forcing():
                                                + eps[i].token_ids[eps[i].prompt_len:]), eps[i - 1].prompt_len
         eps[i].loss_mask = [0] * eps[i].prompt_len + [1] * (len(eps[i].token_ids) - eps[i].prompt_len)
         eps[i].logprobs = [0.0] * len(eps[i].token_ids)
-    b = train_seq.pack(eps, 0)
+    b = train_step.pack(eps, 0)
     assert b["p_ids"].size(0) == len(eps) // 2                     # one prompt row per group
     with torch.no_grad():
-        lp = train_seq.token_logprobs(model, b)
+        lp = train_step.token_logprobs(model, b)
         for j, e in enumerate(eps):
             ids = torch.tensor([e.token_ids])
             ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -290,7 +299,7 @@ def test_rft_keeps_only_well_formed_tool_use():
 
 def test_selected_logprobs_chunked_equals_one_piece():
     """The chunked, checkpointed log-prob equals the one-piece cross-entropy, values and gradients."""
-    from common import selected_logprobs
+    from train_step import selected_logprobs
     torch.manual_seed(0)
     x = torch.randn(3, 50, 97, requires_grad=True)
     y = torch.randint(0, 97, (3, 50))
@@ -316,13 +325,13 @@ def test_token_logprobs_same_with_activation_checkpointing(micro):
     eps = [Episode("a", "math", "train", k, [5, 6, 7, 8] + c, [0] * 4 + [1] * len(c), [0.0] * (4 + len(c)), 4)
            for k, c in enumerate([[9, 10, 11], [12, 13], [14, 15, 16, 17]])]
     eps.append(Episode("b", "math", "train", 0, [20, 21] + [22, 23], [0, 0, 1, 1], [0.0] * 4, 2))
-    b = train_seq.pack(eps, tok.pad_token_id)
+    b = train_step.pack(eps, tok.pad_token_id)
     plain, ckpt = copy.deepcopy(model).train(), copy.deepcopy(model).train()
     checkpoint_activations(ckpt)
     assert checkpoints_activations(ckpt) and not checkpoints_activations(plain)
     out = {}
     for name, m in (("plain", plain), ("ckpt", ckpt)):
-        lp = train_seq.token_logprobs(m, b, temperature=0.8)
+        lp = train_step.token_logprobs(m, b, temperature=0.8)
         (lp * b["mask"]).sum().backward()
         out[name] = (lp.detach() * b["mask"], [p.grad.clone() for p in m.parameters()])
     assert torch.allclose(out["plain"][0], out["ckpt"][0], atol=1e-5)

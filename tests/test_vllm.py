@@ -84,7 +84,7 @@ def test_sampling_is_reproducible_with_the_rollout_seed(engine, sharp):
 
 def sampled_vs_trainer(engine, model, tok, seed):
     """Max |sampler log-prob - trainer log-prob| over the sampled tokens of a temperature-1 batch."""
-    from train_seq import pack, token_logprobs
+    from train_step import pack, token_logprobs
     eps = rollout(engine, tok, items(4), n_samples=2, temperature=1.0, max_tokens=200, max_turn_tokens=32, seed=seed)
     with torch.no_grad():
         lp = token_logprobs(model, pack(eps, tok.pad_token_id))

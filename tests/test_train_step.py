@@ -1,0 +1,169 @@
+"""train_step.py, the step every method runs: the same numbers as before it was shared code, the FSDP padding of
+episode_logprobs, and the shared flag groups being enough for every shared function."""
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_seq
+import train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import dist_grpo  # noqa: E402
+
+# The golden numbers came from the code before the training step moved out of train_seq.py (tests/golden/; the
+# generator is in docs/LOG.md): the absolute sum and the norm of every tensor's change.
+GOLDEN = json.load(open(os.path.join(ROOT, "tests", "golden", "train_step_before_refactor.json")))
+CFG = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+           head_dim=16, intermediate_size=64, tie_word_embeddings=True, max_position_embeddings=64, pad_token_id=0)
+
+
+def start():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**CFG))
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model, ref, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_delta(model, init, golden):
+    for k, v in model.state_dict().items():
+        d = v.double() - init[k].double()
+        got = [float(d.abs().sum()), float(d.norm())]
+        assert got == pytest.approx(golden[k], rel=1e-4, abs=1e-9), k
+
+
+@pytest.mark.parametrize("agg", ["token", "seq"])
+def test_grpo_update_equals_the_pre_refactor_numbers(agg):
+    """Two minibatch updates (the second off-policy against episode_logprobs' old log-probs), a k3 KL to a frozen
+    reference, temperature 0.9, plain SGD so that any change of the loss's scale or aggregation shows."""
+    model, ref, init = start()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    eps = dist_grpo.episodes()
+    adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
+    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05)
+    old = train_step.episode_logprobs(model, eps, micro_batch=3, temperature=0.9)
+    for k, (loss, clip) in enumerate(GOLDEN[f"grpo_{agg}"]["losses"]):
+        sl = slice(k * 4, (k + 1) * 4)
+        x = dict(adv=adv[sl], old=old[sl], ref=train_step.episode_logprobs(ref, eps[sl], micro_batch=3, temperature=0.9))
+        got, stats = train_step.train_on(model, opt, eps[sl], lambda lp, b, x: train_seq.grpo_loss(lp, b, x, a),
+                                         micro_batch=3, agg=agg, grad_clip=1e9, temperature=0.9, extras=x)
+        assert got == pytest.approx(loss, rel=1e-5) and stats["clip"] == pytest.approx(clip, abs=1e-9)
+    assert_delta(model, init, GOLDEN[f"grpo_{agg}"]["delta"])
+
+
+def test_rft_epochs_equal_the_pre_refactor_numbers(monkeypatch):
+    """train_seq.rft on fixed rollouts: the success filter (a failure, a malformed tool call and a duplicate are
+    dropped) and two SFT epochs give the weights the code gave before it was shared."""
+    def fixed(*_a, **_k):
+        eps = dist_grpo.episodes()
+        for i, e in enumerate(eps):
+            e.reward = 0.0 if i == 5 else 1.0
+            e.messages = [{"role": "assistant", "content": '<tool_call>{"name": "x", "argu</tool_call>' if i == 6 else "ok"}]
+        return eps + [copy.deepcopy(eps[0])]
+
+    class NoBackend:
+        model = None
+
+        def sleep(self):
+            pass
+
+        def wake(self):
+            pass
+
+        def load_weights(self, named):
+            list(named)
+
+    monkeypatch.setattr(train_seq, "rollouts", fixed)
+    model, _, init = start()
+    a = argparse.Namespace(rft_samples=2, seed=3, micro_batch=4, rft_lr=1e-2, rft_epochs=2, agg="token", grad_clip=1.0,
+                           temperature=1.0)
+    assert train_seq.rft(model, None, NoBackend(), None, [None], a, "golden") == GOLDEN["rft"]["kept"] == 6
+    assert_delta(model, init, GOLDEN["rft"]["delta"])
+
+
+def test_a_changed_aggregation_would_fail_the_golden_test():
+    """The golden comparison can fail: token-mean and sequence-mean give different updates on these episodes."""
+    g = GOLDEN
+    k = "model.embed_tokens.weight"
+    assert abs(g["grpo_token"]["delta"][k][1] - g["grpo_seq"]["delta"][k][1]) > 1e-2 * g["grpo_token"]["delta"][k][1]
+
+
+def test_a_script_with_only_the_shared_flag_groups_runs_every_shared_function(tmp_path, capsys):
+    """The contract: a new script that declares add_scale_flags + add_step_flags can call check_shared_flags,
+    make_backend, train_on, episode_logprobs, sft_epochs and dry_run without any flag of its own."""
+    from transformers import Qwen3ForCausalLM
+
+    from common import save_checkpoint
+    from envs.rollout import make_backend
+    from envs.tiny import model_config, train_tokenizer
+    p = argparse.ArgumentParser()
+    train_step.add_scale_flags(p, "tiny")
+    train_step.add_step_flags(p, "tiny")
+    a = train_step.check_shared_flags(p.parse_args(["--micro-batch", "3"]))
+    assert a.world_size == 1 and a.micro_batch == 3 and a.max_tokens > a.max_turn_tokens
+    tok = train_tokenizer(["What is 1+2? \\boxed{3}"] * 20, vocab_size=300)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(model_config(tok, "micro", 256))
+    ckpt = str(tmp_path / "m")
+    save_checkpoint(ckpt, model, tok, dict(method="test"))
+    backend, engine = make_backend(a.backend, tok, ckpt, policy=model, gen_batch=a.gen_batch, bf16=a.bf16,
+                                   gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, attn=a.attn)
+    assert engine is model
+    eps = dist_grpo.episodes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip)
+    loss, stats = train_step.train_on(model, opt, eps, train_step.sft_loss, temperature=a.temperature, **kw)
+    assert loss > 0 and stats["grad_norm"] > 0
+    lp = train_step.episode_logprobs(model, eps, micro_batch=a.micro_batch, temperature=a.temperature)
+    assert [len(x) for x in lp] == [len(e.token_ids) - e.prompt_len for e in eps]
+    assert len(train_step.sft_epochs(model, opt, eps, epochs=1, batch=4, seed=0, **kw)) == 2
+    figures = train_step.dry_run(a, ckpt, 2, a.micro_batch, a.max_tokens)
+    assert figures["fits"] and "dry run" in capsys.readouterr().out
+    p2 = argparse.ArgumentParser()
+    train_step.add_scale_flags(p2, "qwen3-8b")
+    train_step.add_step_flags(p2, "qwen3-8b")
+    big = p2.parse_args([])
+    assert (big.backend, big.bf16, big.grad_ckpt, big.micro_batch) == ("vllm", True, True, 4)
+    for bad in (["--micro-batch", "0"], ["--max-tokens", "10", "--max-turn-tokens", "20"], ["--grad-clip", "0"]):
+        with pytest.raises(train_step.UsageError):
+            train_step.check_shared_flags(p.parse_args(bad))
+
+
+def test_nonfinite_gradient_stops_before_the_weights_change():
+    model, _, _ = start()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+
+    def inf_loss(logp, b, x):
+        return logp * float("inf"), {}
+    with pytest.raises(FloatingPointError):
+        train_step.train_on(model, opt, dist_grpo.episodes(), inf_loss, micro_batch=4)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_episode_logprobs_with_uneven_ranks_under_torchrun(tmp_path):
+    """Two CPU ranks holding 7 and 1 episodes: episode_logprobs and train_on pad the passes of the smaller rank
+    (it hung before), and the log-probs and the update equal one process's on all 8."""
+    script = os.path.join(ROOT, "tests", "dist_grpo.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    subprocess.run([sys.executable, script, one, "2", "token", "uneven"], check=True, cwd=ROOT, env=env, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                        two, "2", "token", "uneven"], cwd=ROOT, env=env, timeout=180, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = torch.load(one), torch.load(two)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for x, y in zip(a["logprobs"], b["logprobs"]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    for k in a["state"]:
+        torch.testing.assert_close(b["state"][k], a["state"][k], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,470 @@
+"""The training step every method runs, and the flags that size it.
+
+A method brings its own per-token loss (GRPO's clipped surrogate in train_seq.py, the SFT negative
+log-likelihood below, a distillation loss); this file turns episodes into tensors, computes the policy's
+teacher-forced log-probs, aggregates the loss over the *global* batch and takes one FSDP-safe optimizer step:
+
+    from train_step import sft_loss, train_on
+    loss, stats = train_on(model, opt, episodes, sft_loss, micro_batch=8, agg="token", grad_clip=1.0)
+
+A loss function is   loss_fn(logp, b, x) -> (per-token loss (B, T), {name: per-token statistic (B, T)})
+    logp  (B, T) the policy's log-probs of each episode's completion tokens (with grad)
+    b     the packed micro-batch (pack): b["mask"] (B, T) is 1 on the policy's sampled tokens, b["slp"] (B, T)
+          their sampling log-probs
+    x     the method's per-episode `extras`, cut to this micro-batch: a float per episode -> (B, 1), a tensor of
+          one value per completion token (episode_logprobs) -> (B, T), zero-padded past the episode's end
+train_on masks the loss to the sampled tokens, and reports each statistic as its mean over the global batch's
+sampled tokens (GRPO's clip fraction is one).
+
+A script gets the same flags and per-preset defaults as every other by calling add_scale_flags and add_step_flags.
+"""
+import argparse
+import math
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import (
+    all_reduce_max,
+    all_reduce_sum,
+    checkpoints_activations,
+    print0,
+    rank,
+    resolve_attn,
+    shard,
+    world_size,
+)
+from envs.base import UsageError, well_formed
+from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, cache_kwarg
+
+# ----------------------------------------------------------------------------- the shared flags
+# The scale half of every script's presets: how big a pass is and what runs it. Tiny fits a 2-core CPU (the
+# token limits fit a by-the-book e-commerce episode, see envs/rollout.py); qwen3-8b fits an H200 per rank.
+SCALE = {
+    "tiny": dict(backend="hf", gen_batch=128, bf16=False, grad_ckpt=False, micro_batch=64, max_tokens=MAX_TOKENS,
+                 max_turn_tokens=MAX_TURN_TOKENS),
+    "qwen3-8b": dict(backend="vllm", gen_batch=256, bf16=True, grad_ckpt=True, micro_batch=4, max_tokens=8192,
+                     max_turn_tokens=2048),
+}
+
+
+def add_scale_flags(p, preset: str):
+    """The flags of the engine, the sharding and the token limits (make_backend, shard, rollouts, dry_run), with
+    SCALE[preset]'s defaults."""
+    s = SCALE[preset]
+    p.add_argument("--backend", default=s["backend"], choices=["hf", "vllm"],
+                   help="rollout engine: hf (transformers) or vllm (colocated, pip install -r requirements-gpu.txt)")
+    p.add_argument("--gen-batch", type=int, default=s["gen_batch"], help="sequences per generate call")
+    p.add_argument("--max-tokens", type=int, default=s["max_tokens"], help="token limit per episode")
+    p.add_argument("--max-turn-tokens", type=int, default=s["max_turn_tokens"], help="token limit per turn")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=s["bf16"],
+                   help="bf16 compute under FSDP2 (MixedPrecisionPolicy)")
+    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=s["grad_ckpt"],
+                   help="activation checkpointing")
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
+    p.add_argument("--attn", default="auto", help="attention implementation: auto (flash_attention_2 where "
+                                                 "flash-attn is installed, else sdpa), sdpa, flash_attention_2, eager")
+    p.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm backend: share of GPU memory for the "
+                                                                    "engine (weights + KV cache) while it generates")
+    p.add_argument("--dry-run", action="store_true", help="build the model on the meta device, apply the FSDP2 "
+                   "plan for --world-size ranks, print parameters and memory per rank and the config; no download")
+    p.add_argument("--world-size", type=int, default=None, help="ranks assumed by --dry-run (default $WORLD_SIZE or 8)")
+
+
+def add_step_flags(p, preset: str):
+    """The flags of train_on: micro-batch, aggregation, gradient clip, and the sampling temperature that the
+    trainer divides its logits by too."""
+    p.add_argument("--micro-batch", type=int, default=SCALE[preset]["micro_batch"], help="sequences per forward pass")
+    p.add_argument("--agg", default="token", choices=["token", "seq"], help="loss aggregation: token-mean "
+                                                                            "(DAPO) or sequence-mean (GRPO)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
+
+
+def check_shared_flags(a):
+    """UsageError (one line) for a bad value of the shared flags; fills --world-size's default."""
+    if a.world_size is None:
+        a.world_size = int(os.environ.get("WORLD_SIZE", "8" if a.dry_run else "1"))
+    for ok, msg in [(a.world_size >= 1, "--world-size must be >= 1"), (a.gen_batch >= 1, "--gen-batch must be >= 1"),
+                    (a.max_tokens > a.max_turn_tokens > 0, "need --max-tokens > --max-turn-tokens > 0"),
+                    (0 < a.vllm_gpu_util <= 1, "--vllm-gpu-util must be in (0, 1]"),
+                    (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.grad_clip > 0, "--grad-clip must be > 0"),
+                    (a.temperature > 0, "--temperature must be > 0 for training")]:
+        if not ok:
+            raise UsageError(msg)
+    return a
+
+
+# ----------------------------------------------------------------------------- episodes -> tensors -> log-probs
+
+def to_device(b: dict, dev) -> dict:
+    return {k: v.to(dev) for k, v in b.items()}
+
+
+def pad_id(model) -> int:
+    return model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+
+def stand_in(pad: int) -> Episode:
+    """A two-token episode with nothing to learn: the pass a rank without episodes runs so that every rank runs
+    as many forward passes (FSDP2's all-gathers are collectives)."""
+    return Episode("-", "-", "-", 0, [pad, pad], [0, 0], [0.0, 0.0], 1)
+
+
+def pack(episodes, pad_id: int) -> dict:
+    """Training tensors with every distinct prompt once (a GRPO group shares one). The prompt (the tokens
+    before the policy's first turn) is left-padded, the rest of the episode (the completion: policy turns,
+    tool results, user replies) right-padded after it.
+    -> p_ids, p_attn (U, Tp); rows (B,): each episode's prompt row; c_ids, c_attn (B, Tc);
+       mask (B, Tc): 1 on the policy's sampled tokens; slp (B, Tc): their sampling log-probs."""
+    prompts, rows = {}, []
+    for e in episodes:
+        rows.append(prompts.setdefault(tuple(e.token_ids[: e.prompt_len]), len(prompts)))
+    Tp = max(len(p) for p in prompts)
+    Tc = max(1, max(len(e.token_ids) - e.prompt_len for e in episodes))
+    p_ids = torch.full((len(prompts), Tp), pad_id, dtype=torch.long)
+    p_attn = torch.zeros((len(prompts), Tp), dtype=torch.long)
+    for p, u in prompts.items():
+        p_ids[u, Tp - len(p):] = torch.tensor(p, dtype=torch.long)
+        p_attn[u, Tp - len(p):] = 1
+    c_ids = torch.full((len(episodes), Tc), pad_id, dtype=torch.long)
+    c_attn = torch.zeros((len(episodes), Tc), dtype=torch.long)
+    mask = torch.zeros((len(episodes), Tc))
+    slp = torch.zeros((len(episodes), Tc))
+    for i, e in enumerate(episodes):
+        n = len(e.token_ids) - e.prompt_len
+        if n > 0:
+            c_ids[i, :n] = torch.tensor(e.token_ids[e.prompt_len:])
+            c_attn[i, :n] = 1
+            mask[i, :n] = torch.tensor(e.loss_mask[e.prompt_len:], dtype=torch.float)
+            slp[i, :n] = torch.tensor(e.logprobs[e.prompt_len:], dtype=torch.float)
+    return dict(p_ids=p_ids, p_attn=p_attn, rows=torch.tensor(rows), c_ids=c_ids, c_attn=c_attn, mask=mask, slp=slp)
+
+
+def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096):
+    """log softmax(logits / temperature) at the targets: (B, T, V), (B, T) -> (B, T). Computed a time chunk of
+    about chunk_tokens tokens at a time, each chunk checkpointed: its float32 copy, log-softmax and gradient
+    are rebuilt in the backward pass instead of kept, so the logits are held once, at their own dtype (about
+    2 bytes per vocabulary entry under bf16, and their gradient, instead of ~10 bytes; for 4 x 8192 tokens of
+    Qwen3-8B, 46 -> 24 GiB per rank).
+    Values and gradients equal the one-piece computation up to float rounding (tested)."""
+    def piece(x, y):
+        x = x.float()
+        if temperature > 0 and temperature != 1.0:
+            x = x / temperature
+        return -torch.nn.functional.cross_entropy(x.transpose(1, 2), y, reduction="none")
+    step = max(1, chunk_tokens // max(1, logits.size(0)))
+    if logits.size(1) <= step:
+        return piece(logits, targets)
+    from torch.utils.checkpoint import checkpoint
+    out = []
+    for s in range(0, logits.size(1), step):
+        x, y = logits[:, s: s + step], targets[:, s: s + step]
+        out.append(checkpoint(piece, x, y, use_reentrant=False) if x.requires_grad else piece(x, y))
+    return torch.cat(out, 1)
+
+
+def token_logprobs(model, b: dict, temperature: float = 1.0):
+    """(B, Tc) log-prob of every completion token, logits divided by the sampling temperature so trainer
+    and sampler score the same distribution. Each distinct prompt runs once and its KV cache is shared by
+    its samples (the gradients of all of them flow back into it); under activation checkpointing, which
+    has no cache, prompt and completion run as one sequence."""
+    p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
+    if checkpoints_activations(model):
+        ids, attn = torch.cat([p_ids[rows], c_ids], 1), torch.cat([p_attn[rows], c_attn], 1)   # (B, Tp + Tc)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        # logits only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                       logits_to_keep=c_ids.size(1) + 1).logits[:, :-1]                       # (B, Tc, V)
+        return selected_logprobs(logits, c_ids, temperature)
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    kv = {cache_kwarg(model): cache}
+    p_pos = (p_attn.cumsum(-1) - 1).clamp(min=0)                                              # (U, Tp)
+    last = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1,
+                 **kv).logits[:, -1]                                                          # (U, V)
+    cache.batch_select_indices(rows)                                                          # U -> B rows
+    attn = torch.cat([p_attn[rows], c_attn], 1)                                               # (B, Tp + Tc)
+    pos = p_attn.sum(-1)[rows, None] + torch.arange(c_ids.size(1), device=c_ids.device)       # (B, Tc)
+    out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv).logits
+    # position t predicts c_ids[:, t]: the prompt's last logits for t = 0, the completion's own after that
+    return torch.cat([selected_logprobs(last[rows, None], c_ids[:, :1], temperature),
+                      selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature)], 1)           # (B, Tc)
+
+
+def micro_batches(episodes, size: int) -> list:
+    """Index lists of at most `size` episodes; a group's samples (same prompt) sit together, so they
+    share one prompt pass, and similar lengths sit together, so there is little padding."""
+    order = sorted(range(len(episodes)), key=lambda i: (episodes[i].prompt_len, episodes[i].token_ids[: episodes[i].prompt_len],
+                                                        len(episodes[i].token_ids)))
+    return [order[s: s + size] for s in range(0, len(order), size)]
+
+
+@torch.no_grad()
+def episode_logprobs(model, episodes, *, micro_batch: int, temperature: float = 1.0) -> list:
+    """Each episode's completion-token log-probs under `model` (the policy before an update: the PPO ratio's
+    denominator; a frozen reference or a teacher), one CPU tensor per episode, as train_on's extras take them.
+    Every rank runs as many passes as the busiest one (FSDP2), so ranks may hold different numbers of episodes."""
+    pad, dev = pad_id(model), next(model.parameters()).device
+    micro = micro_batches(episodes, micro_batch)
+    out = [None] * len(episodes)
+    for m in range(int(all_reduce_max(len(micro)))):
+        if m >= len(micro):
+            token_logprobs(model, to_device(pack([stand_in(pad)], pad), dev), temperature)
+            continue
+        idx = micro[m]
+        lp = token_logprobs(model, to_device(pack([episodes[i] for i in idx], pad), dev), temperature).cpu()
+        for j, i in enumerate(idx):
+            out[i] = lp[j, : max(1, len(episodes[i].token_ids) - episodes[i].prompt_len)]
+    return out
+
+
+def cut_extras(extras: dict, idx: list, T: int, dev) -> dict:
+    """The extras of episodes `idx`: floats -> (b, 1); per-token tensors -> (b, T, ...), zero-padded."""
+    out = {}
+    for k, values in extras.items():
+        vals = [values[i] for i in idx]
+        if torch.is_tensor(vals[0]):
+            x = torch.nn.utils.rnn.pad_sequence(vals, batch_first=True)
+            if x.size(1) < T:
+                x = torch.cat([x, x.new_zeros((x.size(0), T - x.size(1), *x.shape[2:]))], 1)
+            out[k] = x.to(dev)
+        else:
+            out[k] = torch.tensor([[float(v)] for v in vals], dtype=torch.float, device=dev)
+    return out
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+
+def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "token", grad_clip: float = 1.0,
+             temperature: float = 1.0, extras: dict | None = None):
+    """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of
+    micro_batch sequences, with loss_fn's per-token loss (see the module docstring). The loss is normalised by
+    the *global* number of loss tokens (agg "token") or sequences ("seq"), and multiplied by the world size
+    because FSDP averages gradients over ranks: N ranks give the same update as one process on the whole batch.
+    extras: {name: one value per episode}, cut per micro-batch for loss_fn.
+    -> (loss over the global batch, {statistic: token-mean over the global batch, grad_norm: before the clip}).
+    Raises FloatingPointError, before the weights change, on a non-finite loss or gradient norm."""
+    extras = extras or {}
+    pad, dev = pad_id(model), next(model.parameters()).device
+    micro = micro_batches(episodes, micro_batch)
+    # every rank must run the same number of forward/backward passes (FSDP collectives): pad with
+    # zero-weight passes (on one of this rank's episodes, or on a stand-in when it has none)
+    n_micro = int(all_reduce_max(len(micro)))
+    n_tok = all_reduce_sum(float(sum(e.n_sampled for e in episodes)))
+    n_seq = all_reduce_sum(float(len(episodes)))
+    denom = max(n_tok if agg == "token" else n_seq, 1.0)
+    total, sums = torch.zeros(()), {}
+    opt.zero_grad(set_to_none=True)
+    for m in range(n_micro):
+        dummy = m >= len(micro)
+        idx = micro[m] if not dummy else micro[0][:1] if micro else []
+        if not idx:
+            logp = token_logprobs(model, to_device(pack([stand_in(pad)], pad), dev), temperature)
+            (logp.sum() * 0.0).backward()
+            continue
+        b = to_device(pack([episodes[i] for i in idx], pad), dev)
+        if dummy:
+            b["mask"] = b["mask"] * 0.0
+        logp = token_logprobs(model, b, temperature)                                    # (b, Tc)
+        per_tok, stats = loss_fn(logp, b, cut_extras(extras, idx, logp.size(1), dev))    # (b, Tc)
+        mask = b["mask"]                                                                # (b, Tc)
+        if agg == "token":
+            loss = (per_tok * mask).sum() / denom
+        else:
+            loss = ((per_tok * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denom
+        (loss * world_size()).backward()
+        total += loss.detach().cpu()
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + (v.detach() * mask).sum().item()
+    total = all_reduce_sum(total.item())
+    if not math.isfinite(total):
+        raise FloatingPointError(f"non-finite loss {total}")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"non-finite gradient norm {norm}")
+    opt.step()
+    return total, {k: all_reduce_sum(v) / max(n_tok, 1.0) for k, v in sums.items()} | {"grad_norm": norm}
+
+
+# ----------------------------------------------------------------------------- supervised fine-tuning
+
+def sft_loss(logp, b, x):
+    """Negative log-likelihood of the policy's tokens (RFT's cold start, SDFT)."""
+    return -logp, {}
+
+
+def keep_successes(episodes) -> list:
+    """The success filter: full reward, every tool call well-formed, and distinct (same task, same sampled
+    tokens: one copy)."""
+    seen, kept = set(), []
+    for e in episodes:
+        key = (e.task_id, tuple(t for t, m in zip(e.token_ids, e.loss_mask) if m))
+        if e.reward >= 1.0 and well_formed(e.messages) and key not in seen:
+            seen.add(key)
+            kept.append(e)
+    return kept
+
+
+def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: int, grad_clip: float, seed: int,
+               agg: str = "token", label: str = "sft") -> list:
+    """`epochs` passes of SFT over this rank's `episodes`, `batch` of them per optimizer step, in a seeded
+    shuffle; every rank takes as many steps as the busiest one. -> the loss of every step."""
+    n_steps = int(all_reduce_max(math.ceil(len(episodes) / batch))) * epochs
+    rng = random.Random(seed + rank())
+    order, losses, t0 = [], [], time.time()
+    for s in range(n_steps):
+        if not order:
+            order = list(range(len(episodes)))
+            rng.shuffle(order)
+        chunk = [episodes[order.pop()] for _ in range(min(batch, len(order)))]
+        loss, _ = train_on(model, opt, chunk, sft_loss, micro_batch=micro_batch, agg=agg, grad_clip=grad_clip)
+        losses.append(loss)
+        if s % 10 == 0 or s == n_steps - 1:
+            el = time.time() - t0
+            print0(f"{label} sft step {s + 1}/{n_steps} | nll {loss:.4f} | {el:.0f}s elapsed, "
+                   f"ETA {el / (s + 1) * (n_steps - s - 1):.0f}s")
+    return losses
+
+
+class Cursor:
+    """Walks a seeded shuffle of the train prompts, epoch after epoch; its position is saved on resume.
+    Every rank walks the same order and takes its own slice of each global batch."""
+
+    def __init__(self, n: int, seed: int, pos: int = 0):
+        self.n, self.seed, self.pos = n, seed, pos
+        self._epoch, self._order = None, None
+
+    def take(self, k: int) -> list:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.pos, self.n)
+            if epoch != self._epoch:  # one shuffle per epoch, not one per prompt taken
+                self._epoch, self._order = epoch, list(range(self.n))
+                random.Random(self.seed * 1000 + epoch).shuffle(self._order)
+            out.append(self._order[i])
+            self.pos += 1
+        return out
+
+
+# ----------------------------------------------------------------------------- --dry-run: a launch checked on paper
+# The config.json fields of the hub models the presets and bench/gpu.sh name, so that --dry-run and the GPU
+# benchmark need no download (a local checkpoint's own config.json is read instead).
+KNOWN_CONFIGS = {
+    "Qwen/Qwen3-8B-Base": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "Qwen/Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+KNOWN_CONFIGS["Qwen/Qwen3-8B"] = KNOWN_CONFIGS["Qwen/Qwen3-8B-Base"]
+
+
+def model_config(init: str):
+    """The transformers config of --init without downloading: its config.json if it is a local directory,
+    the built-in copy for a model KNOWN_CONFIGS names, else the local hub cache (or a ValueError)."""
+    from transformers import AutoConfig, Qwen3Config
+    if os.path.isfile(os.path.join(init, "config.json")):
+        return AutoConfig.from_pretrained(init)
+    if init in KNOWN_CONFIGS:
+        return Qwen3Config(**KNOWN_CONFIGS[init])
+    try:
+        return AutoConfig.from_pretrained(init, local_files_only=True)
+    except OSError:
+        raise UsageError(f"no config for {init}: not a local checkpoint, not cached, not one of "
+                         f"{', '.join(KNOWN_CONFIGS)}") from None
+
+
+def shard_rows(n: int, world: int, r: int) -> int:
+    """Rows of a dim-0 size n that FSDP2 puts on rank r: torch.chunk's split (ceil(n / world) per rank,
+    the last ranks short or empty)."""
+    per = -(-n // world)
+    return max(0, min(per, n - r * per))
+
+
+def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model: bool = False,
+            gpu_gb: float = 141.0):
+    """Build `init`'s architecture on the meta device (no weights, no download), apply shard()'s FSDP2 plan
+    under a fake process group of `world` ranks, and print the parameters per rank, an estimate of the
+    memory per rank and the resolved configuration. Returns the figures (tests read them).
+
+    Memory per rank, in bytes, P_r = this rank's parameters (FSDP2 shards every tensor on dim 0):
+      fp32 master weights 4 P_r + fp32 gradients 4 P_r + AdamW moments 8 P_r (on the host with --cpu-offload);
+      the all-gathered unit: the root (embeddings, lm_head, final norm; gathered for the whole step) plus two
+      decoder layers (the one computing and the one prefetched), at the compute dtype, plus the largest unit's
+      unsharded fp32 gradient before its reduce-scatter;
+      activations: with activation checkpointing each layer keeps its input (h per token) and one layer is
+      recomputed at a time; without it every layer keeps the inputs of its matmuls and norms,
+      4h + 3q + 2kv + 4i values per token (q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate);
+      logits: micro_batch x seq_len x vocab at the compute dtype, and their gradient; the float32 log-softmax
+      runs 4,096 tokens at a time and is recomputed in backward (selected_logprobs);
+      a frozen reference model (ref_model, e.g. GRPO's --kl-coef > 0): its fp32 shard, 4 P_r;
+      the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
+    vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
+    --vllm-gpu-util of the GPU while generating, so it is listed apart."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from transformers import AutoModelForCausalLM
+    cfg = model_config(init)
+    if dist.is_initialized():
+        raise RuntimeError("--dry-run runs in one process, not under torchrun")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        n_total = sum(p.numel() for p in model.parameters())
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        root = n_total - layer * len(model.model.layers)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        shard(model, bf16=a.bf16, cpu_offload=a.cpu_offload)
+        local0 = sum(p.to_local().numel() for p in model.parameters())   # what FSDP2 really put on rank 0
+    finally:
+        dist.destroy_process_group()
+    per_rank = [sum(shard_rows(s[0], world, r) * math.prod(s[1:]) for s in shapes) for r in range(world)]
+    assert per_rank[0] == local0, (per_rank[0], local0)   # the chunk rule above is FSDP2's
+    P_r = max(per_rank)
+    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    cb = 2 if a.bf16 else 4                                  # compute dtype bytes
+    tokens = micro_batch * seq_len
+    per_layer_acts = (4 * h + 3 * q + 2 * kv + 4 * i) * cb * tokens
+    acts = (L * h * cb * tokens + per_layer_acts) if a.grad_ckpt else L * per_layer_acts
+    states = 16 * P_r
+    mem = {
+        "weights+grads+adam (fp32, sharded)": 0 if a.cpu_offload else states,
+        "gathered params (root + 2 layers)": (root + 2 * layer) * cb + max(root, layer) * 4,
+        "activations": acts,
+        "logits (+ grad; fp32 work chunked)": tokens * V * 2 * cb + min(tokens, 4096) * V * 10,
+        "reference model": 4 * P_r if ref_model else 0,
+        "hf engine (unsharded copy)": n_total * cb if a.backend == "hf" and world > 1 else 0,
+    }
+    gb = lambda x: x / 2**30
+    total = sum(mem.values())
+    print(f"dry run: {init} ({cfg.model_type}, {n_total / 1e9:.3f}B parameters) on {world} ranks, FSDP2 plan: "
+          f"each of {L} decoder layers, then the root; bf16 compute {a.bf16}, activation checkpointing "
+          f"{a.grad_ckpt}, cpu offload {a.cpu_offload}, attention {resolve_attn(a.attn)}")
+    print(f"parameters per rank: max {P_r / 1e6:.1f}M, min {min(per_rank) / 1e6:.1f}M "
+          f"(one layer {layer / 1e6:.1f}M, root {root / 1e6:.1f}M)")
+    print(f"estimated GPU memory per rank, micro-batch {micro_batch} x {seq_len} tokens:")
+    for k, v in mem.items():
+        print(f"  {k:<38} {gb(v):8.2f} GiB")
+    if a.cpu_offload:
+        print(f"  {'(host) weights+grads+adam, offloaded':<38} {gb(states):8.2f} GiB")
+    vllm = a.vllm_gpu_util * gpu_gb * 2**30 if a.backend == "vllm" else 0.0
+    print(f"  {'training total':<38} {gb(total):8.2f} GiB")
+    generating = 0.0
+    if vllm:   # while vLLM generates, the sharded training state stays on the GPU beside it
+        generating = vllm + mem["weights+grads+adam (fp32, sharded)"] + mem["reference model"]
+        print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
+        print(f"  {'generation total (vLLM + sharded state)':<38} {gb(generating):8.2f} GiB")
+    peak = max(total, generating)
+    verdict = "fits" if peak < gpu_gb * 2**30 else "does NOT fit"
+    print(f"peak {gb(peak):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
+    print(f"resolved config: {vars(a)}")
+    return dict(n_params=n_total, per_rank=per_rank, memory=mem, total=total, generating=generating, peak=peak,
+                fits=verdict == "fits")
