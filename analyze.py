@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from common import read_header, read_meta, read_tensor, same_tensors, shard_files
+from common import is_checkpoint, read_header, read_meta, read_tensor, same_tensors, shard_files
 from envs import UsageError, make_env
 
 GROUPS = ("attention", "mlp", "embeddings", "norms")
@@ -63,10 +63,7 @@ def displacement_gram(base: str, ckpts: list, chunk_bytes: int = 64 * 1024 ** 2)
     """{group: G (N x N float64 numpy)} with G_ij = <theta_i - theta_base, theta_j - theta_base> summed over
     the group's tensors ("all": every tensor). Streams tensor by tensor, a big tensor in row chunks of about
     chunk_bytes per checkpoint: memory holds one chunk per checkpoint."""
-    try:
-        files = same_tensors(base, ckpts)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(str(e)) from None
+    files = same_tensors(base, ckpts)
     headers = {}
     names = sorted(files[base])
     n = len(ckpts)
@@ -297,7 +294,7 @@ def default_ckpts(runs: str) -> list:
     """The tiny arena's checkpoints that exist: sequential stages (with their -rft cold starts), oracles, merges."""
     out = sorted(glob.glob(os.path.join(runs, "seq", "[0-9]-*")))
     out += sorted(glob.glob(os.path.join(runs, "oracle", "*"))) + sorted(glob.glob(os.path.join(runs, "merge", "*")))
-    return [p for p in out if os.path.isfile(os.path.join(p, "config.json"))]
+    return [p for p in out if is_checkpoint(p)]
 
 
 def parse_args(argv=None):
@@ -329,10 +326,10 @@ def parse_args(argv=None):
         if len(a.ckpts) < 2:
             raise UsageError(f"need at least 2 checkpoints to compare, found {len(a.ckpts)} (pass --ckpts)")
         for c in [a.base, *a.ckpts] + ([] if a.no_tokens else [a.ref]):
-            if not os.path.isfile(os.path.join(c, "config.json")):
+            if not is_checkpoint(c):
                 raise UsageError(f"not a checkpoint directory (no config.json): {c}")
             shard_files(c)
-    except (UsageError, FileNotFoundError) as e:
+    except UsageError as e:
         sys.exit(f"error: {e}")
     return a
 
@@ -346,7 +343,7 @@ def main(argv=None):
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from evaluate import save_results
+    from common import save_json
     t0 = time.time()
     labels = [label_of(c) for c in a.ckpts]
     try:
@@ -390,7 +387,7 @@ def main(argv=None):
             print(f"{lab}: {_pct(rep['low_consistency'])} of low-entropy tokens (H <= {a.entropy_threshold}) keep the "
                   f"reference's top-1; high-entropy tokens ({_pct(rep['high_fraction'])} of positions) carry "
                   f"{_pct(rep['high_kl_share'])} of the KL and {_pct(rep['high_flip_share'])} of the top-1 flips")
-    save_results(os.path.join(a.out, "analysis.json"), result)
+    save_json(os.path.join(a.out, "analysis.json"), result)
     print(f"wrote {a.out}/analysis.json, pca.png, cosine.png{'' if a.no_tokens else ', token_consistency.png'} "
           f"in {time.time() - t0:.1f}s")
 

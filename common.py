@@ -17,6 +17,19 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+class UsageError(ValueError):
+    """The project's one input-error type: bad input from the user (a flag, a path, a data file), never from the
+    model. Every script's main prints it as one line ("error: ...") and exits."""
+
 
 # ----------------------------------------------------------------------------- processes
 
@@ -108,7 +121,6 @@ def shard(model, bf16: bool = False, cpu_offload: bool = False):
     A no-op without a process group, so the same training loop runs unsharded on a laptop."""
     if not sharded():
         return model
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     kw = {}
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -125,7 +137,6 @@ def full_state_dict(model) -> dict:
     unsharded. Every rank must call it: the gather is a collective."""
     if not sharded():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -171,7 +182,6 @@ def save_train_state(path: str, model, opt, extra: dict):
     """Everything needed to resume training beside the checkpoint: the model and optimizer state (full,
     gathered to rank 0 under FSDP2), the RNG states and `extra` (step, data cursor, ...). Atomic: written
     to a temporary file, then renamed. Every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, opt, options=opts)
     if rank() == 0:
@@ -183,7 +193,6 @@ def save_train_state(path: str, model, opt, extra: dict):
 def load_train_state(path: str, model, opt) -> dict:
     """Restore what save_train_state wrote into `model` and `opt` (broadcast from rank 0 under FSDP2);
     returns `extra`. Every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(path, map_location="cpu", weights_only=False)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=sharded())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
@@ -339,7 +348,7 @@ def shard_files(ckpt: str) -> dict:
             return {name: os.path.join(ckpt, file) for name, file in json.load(f)["weight_map"].items()}
     single = os.path.join(ckpt, "model.safetensors")
     if not os.path.isfile(single):
-        raise FileNotFoundError(f"no safetensors weights in {ckpt} (model.safetensors or its index)")
+        raise UsageError(f"no safetensors weights in {ckpt} (model.safetensors or its index)")
     return {name: single for name in read_header(single)[0]}
 
 
@@ -360,16 +369,16 @@ def tensor_infos(files: dict) -> dict:
 
 
 def same_tensors(base: str, ckpts: list) -> dict:
-    """{checkpoint: {tensor name: file}} for the base and ckpts; ValueError unless every checkpoint has the
-    base's tensor names and shapes (FileNotFoundError when one has no safetensors weights)."""
+    """{checkpoint: {tensor name: file}} for the base and ckpts; UsageError unless every checkpoint has
+    safetensors weights with the base's tensor names and shapes."""
     files = {c: shard_files(c) for c in [base, *ckpts]}
     infos = {c: tensor_infos(f) for c, f in files.items()}
     for m in ckpts:
         if set(infos[m]) != set(infos[base]):
             extra = sorted(set(infos[m]) ^ set(infos[base]))[0]
-            raise ValueError(f"mismatched architectures: tensor {extra} is in only one of {m} and the base")
+            raise UsageError(f"mismatched architectures: tensor {extra} is in only one of {m} and the base")
         for name, info in infos[base].items():
             if infos[m][name]["shape"] != info["shape"]:
-                raise ValueError(f"mismatched architectures: {name} is {infos[m][name]['shape']} in {m}, "
+                raise UsageError(f"mismatched architectures: {name} is {infos[m][name]['shape']} in {m}, "
                                  f"{info['shape']} in the base")
     return files

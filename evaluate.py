@@ -1,7 +1,7 @@
 """Evaluate checkpoints on every benchmark of a suite: sampled score, mean ± std over sampling seeds.
 
 Each benchmark is a set of (env, task) pairs from envs/; a seed is one full pass that samples k rollouts per task
-(temperature 1, top_k 0: the policy's own distribution, as DESIGN.md asks) and scores their mean reward; the
+(temperature 1, top_k 0: the policy's own distribution, not a truncated one) and scores their mean reward; the
 result is the mean and the sample standard deviation of that score over seeds. Results go to
 runs/<preset>/eval/<name>.json (<name>: the checkpoint's path under runs/<preset>/ with / -> -, so
 runs/tiny/seq/1-math -> seq-1-math), a markdown table across checkpoints is printed, and when the checkpoints

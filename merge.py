@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from common import read_tensor, same_tensors, tensor_infos, write_atomically, write_meta
+from common import is_checkpoint, read_tensor, same_tensors, tensor_infos, write_atomically, write_meta
 from envs import DOMAINS, UsageError, parse_domains
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
@@ -94,7 +94,7 @@ def check_inputs(base: str, models: list) -> dict:
     """Stop with one clear line unless every checkpoint exists and has the base's architecture and tensors.
     Returns {checkpoint: {tensor name: file}}."""
     for ckpt in [base, *models]:
-        if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        if not is_checkpoint(ckpt):
             raise UsageError(f"not a checkpoint directory (no config.json): {ckpt}")
     with open(os.path.join(base, "config.json")) as f:
         cfg0 = json.load(f)
@@ -104,10 +104,7 @@ def check_inputs(base: str, models: list) -> dict:
         for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings"):
             if cfg.get(key) != cfg0.get(key):
                 raise UsageError(f"mismatched architectures: {m} has {key}={cfg.get(key)!r}, the base {cfg0.get(key)!r}")
-    try:
-        return same_tensors(base, models)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(str(e)) from None
+    return same_tensors(base, models)
 
 
 def plan_shards(infos: dict, shard_bytes: int) -> list:
@@ -279,7 +276,7 @@ def parse_args(argv=None):
             raise UsageError("--search balanced needs --oracles, one checkpoint per domain")
         a.files = check_inputs(a.base, a.models)
         for ckpt in a.oracles or []:
-            if not os.path.isfile(os.path.join(ckpt, "config.json")):
+            if not is_checkpoint(ckpt):
                 raise UsageError(f"not a checkpoint directory (no config.json): {ckpt}")
     except UsageError as e:
         sys.exit(f"error: {e}")

@@ -74,22 +74,6 @@ from train_step import (
     train_on,
 )
 
-# The method's defaults per preset; the scale ones (engine, batch sizes, token limits) are train_step.SCALE's.
-# Every one is a flag. The tiny preset's numbers fit the whole sequential run plus the four oracles into 15
-# minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x a math one; two generation
-# rounds at most (dynamic sampling) because a flat step costs a round each; lr 2e-4 because at 5e-4 the math and
-# search stages wiped the base's ecommerce skill before its stage.
-PRESETS = {
-    "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
-                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=2e-4, rft_prompts="search=256,ecommerce=96",
-                 rft_samples=4, rft_epochs=2, rft_lr=1e-3, eval_n=30, max_gen_rounds=2, math_data=None),
-    "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
-                     group=8, lr=1e-6, rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None,
-                     max_gen_rounds=3, math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
-}
-AGENTIC = ("search", "ecommerce")
-
-
 # ----------------------------------------------------------------------------- the loss
 
 def grpo_loss(logp, b, x, a):
@@ -110,6 +94,22 @@ def grpo_loss(logp, b, x, a):
         loss = loss + a.kl_coef * (torch.exp(d) - d - 1)                 # k3 estimator of KL(pi || ref)
     clipped = ((ratio < 1 - a.clip_low) | (ratio > 1 + a.clip_high)).float().detach()
     return loss, {"clip": clipped}
+
+
+# The method's defaults per preset; the scale ones (engine, batch sizes, token limits) are train_step.SCALE's.
+# Every one is a flag. The tiny preset's numbers fit the whole sequential run plus the four oracles into 15
+# minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x a math one; two generation
+# rounds at most (dynamic sampling) because a flat step costs a round each; lr 2e-4 because at 5e-4 the math and
+# search stages wiped the base's ecommerce skill before its stage.
+PRESETS = {
+    "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
+                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=2e-4, rft_prompts="search=256,ecommerce=96",
+                 rft_samples=4, rft_epochs=2, rft_lr=1e-3, eval_n=30, max_gen_rounds=2, math_data=None),
+    "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
+                     group=8, lr=1e-6, rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None,
+                     max_gen_rounds=3, math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
+}
+AGENTIC = ("search", "ecommerce")
 
 
 def group_advantages(episodes, drop_flat: bool = True, eps: float = 1e-6):

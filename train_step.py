@@ -28,16 +28,18 @@ import torch
 import torch.distributed as dist
 
 from common import (
+    UsageError,
     all_reduce_max,
     all_reduce_sum,
     checkpoints_activations,
+    is_checkpoint,
     print0,
     rank,
     resolve_attn,
     shard,
     world_size,
 )
-from envs.base import UsageError, well_formed
+from envs.base import well_formed
 from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, cache_kwarg
 
 # ----------------------------------------------------------------------------- the shared flags
@@ -367,9 +369,9 @@ KNOWN_CONFIGS["Qwen/Qwen3-8B"] = KNOWN_CONFIGS["Qwen/Qwen3-8B-Base"]
 
 def model_config(init: str):
     """The transformers config of --init without downloading: its config.json if it is a local directory,
-    the built-in copy for a model KNOWN_CONFIGS names, else the local hub cache (or a ValueError)."""
+    the built-in copy for a model KNOWN_CONFIGS names, else the local hub cache (or a UsageError)."""
     from transformers import AutoConfig, Qwen3Config
-    if os.path.isfile(os.path.join(init, "config.json")):
+    if is_checkpoint(init):
         return AutoConfig.from_pretrained(init)
     if init in KNOWN_CONFIGS:
         return Qwen3Config(**KNOWN_CONFIGS[init])

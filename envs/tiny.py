@@ -6,6 +6,10 @@ noisy demonstrations from every domain, so the base is weak but not zero everywh
     python -m envs.tiny --out runs/tiny/base --steps 3000 --seed 0 --drill-steps 3000 --mix ecommerce=4   # the same
     python -m envs.tiny --out runs/tiny/base-nodrill --drill-steps 0     # no induction drill: search at 0% EM
 
+It prints its progress on stdout: a line per domain of the corpus, the tokenizer, the encoding at every
+quarter, then the drill and the pre-training every 5% of their steps (step/steps, loss, lr, elapsed and
+ETA; the drill's ETA is to its step limit, an upper bound: it stops once copying has formed).
+
 Differences from the paper (which starts from Qwen3-8B-Base):
 1. The base is built here from scratch; its "pre-training" corpus is generic text from the worlds
    plus deliberately noisy demonstrations (about half wrong). The loss is on every token by default
@@ -63,7 +67,7 @@ ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "
 SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+|\p{N}|[^\s\p{L}\p{N}]+[\r\n]*"
          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# Model sizes (Qwen3 architecture, tied embeddings). DESIGN.md: ~0.6M learned three toy tasks and
+# Model sizes (Qwen3 architecture, tied embeddings). The design notes: ~0.6M learned three toy tasks and
 # 3.3M was no better but 3-4x slower; four domains with multi-turn tool use want a little more.
 SIZES = {
     "tiny": dict(hidden_size=160, num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1,
@@ -99,17 +103,36 @@ def model_config(tokenizer, size: str = "tiny", max_len: int = 1024):
                        pad_token_id=tokenizer.pad_token_id, **SIZES[size])
 
 
-def build_corpus(n_demos: int, noise: float, seed: int, domains=None):
+def elapsed_eta(t0: float, done: int, total: int, at_most: bool = False) -> str:
+    """'12s elapsed, ETA 34s' for `done` of `total` units of work begun at time t0, at the rate so far
+    (at_most: the loop may stop early, so the ETA is an upper bound)."""
+    el = time.time() - t0
+    return f"{el:.0f}s elapsed, ETA {'<=' if at_most else ''}{el / max(done, 1) * (total - done):.0f}s"
+
+
+def log_every_for(total: int, share: float = 0.05) -> int:
+    """A progress line every this many of `total` steps: about every `share` of them (5%: ~20 lines)."""
+    return max(1, round(total * share))
+
+
+def build_corpus(n_demos: int, noise: float, seed: int, domains=None, progress: bool = False):
     """Pre-training documents as (group, example): every domain's demos (chat conversations; see
     encode_corpus for where the loss goes) and generic text (the worlds' user/tool text without the chat
-    template, loss on every token)."""
+    template, loss on every token). progress: a line per domain with its time and the time so far, and no
+    ETA: each domain's demos are one call, and their costs differ (3,000 demos: math <1 s, if ~17 s)."""
     from envs import DOMAINS, make_env
     chats, generic = [], []
-    for i, d in enumerate(domains or DOMAINS):
+    names = domains or DOMAINS
+    t0 = time.time()
+    for i, d in enumerate(names):
+        t1 = time.time()
         demos = make_env(d).demos(n_demos, seed=seed * 1000 + i, noise=noise)
         chats += [(d, x) for x in demos]
         for x in demos[: n_demos // 4]:
             generic.append(("generic", "\n".join(m["content"] for m in x["messages"] if m["role"] in ("user", "tool"))))
+        if progress:
+            print(f"corpus {i + 1}/{len(names)}: {len(demos)} {d} demos in {time.time() - t1:.1f}s "
+                  f"| {time.time() - t0:.0f}s elapsed", flush=True)
     return chats, generic
 
 
@@ -120,23 +143,31 @@ def corpus_tokenizer(chats, generic, vocab_size: int = 1024):
     return train_tokenizer(texts + [t for _, t in generic], vocab_size)
 
 
-def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all"):
+def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all", progress: bool = False):
     """-> list of (group, ids, loss_mask); conversations longer than max_len are dropped, not cut.
-    loss_on="assistant" masks the loss to assistant tokens (SFT-style); "all" trains on every token."""
+    loss_on="assistant" masks the loss to assistant tokens (SFT-style); "all" trains on every token.
+    progress: a line at every quarter of the documents, with elapsed time and ETA."""
     rows, dropped = [], 0
-    for group, x in chats:
+    total, every, t0 = len(chats) + len(generic), log_every_for(len(chats) + len(generic), 0.25), time.time()
+
+    def tick(done):
+        if progress and (done % every == 0 or done == total):
+            print(f"encode {done}/{total} documents | {elapsed_eta(t0, done, total)}", flush=True)
+    for k, (group, x) in enumerate(chats, 1):
         out = tokenizer.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids, mask = out["input_ids"], out["assistant_masks"]
         if loss_on == "all":
             mask = [1] * len(ids)
+        tick(k)
         if len(ids) > max_len:
             dropped += 1
             continue
         rows.append((group, ids, mask))
-    for group, text in generic:
+    for k, (group, text) in enumerate(generic, len(chats) + 1):
         ids = tokenizer(text)["input_ids"][:max_len]
         rows.append((group, ids, [1] * len(ids)))
+        tick(k)
     return rows, dropped
 
 
@@ -169,11 +200,15 @@ def make_batches(rows, batch_tokens: int):
     return {g: [b for b in bs if b] for g, bs in groups.items()}
 
 
-def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int = 100,
-             mix: dict | None = None, stop_below: float | None = None):
+def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int | None = None,
+             mix: dict | None = None, stop_below: float | None = None, name: str = "pre-train"):
     """AdamW, warmup + cosine decay. Each step draws a group (a domain, or generic text) with weight
     mix.get(group, 1), then one of its length-bucketed batches: a long multi-turn domain gets as many
-    updates as a short one. stop_below: stop early once the mean loss of the last 50 steps is below it."""
+    updates as a short one. stop_below: stop early once the mean loss of the last 50 steps is below it.
+    A progress line (`name`, step/steps, the mean loss since the last line, lr, elapsed, ETA) every log_every
+    steps (default: every 5% of steps), at the last step and at an early stop; with stop_below the ETA is
+    to `steps`, an upper bound."""
+    log_every = log_every or log_every_for(steps)
     rng = random.Random(seed)
     batches = make_batches(rows, batch_tokens)
     names = sorted(batches)
@@ -182,7 +217,7 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
     warmup = max(1, steps // 20)
     pad = model.config.pad_token_id
     model.train()
-    t0, losses = time.time(), []
+    t0, losses, shown = time.time(), [], 0
     for step in range(1, steps + 1):
         group = rng.choices(names, weights)[0] if mix else rng.choice(names)  # (the same stream as before --mix)
         batch = rng.choice(batches[group])
@@ -211,9 +246,9 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
         losses.append(loss.item())
         done = stop_below is not None and len(losses) >= 50 and sum(losses[-50:]) / 50 < stop_below
         if step % log_every == 0 or step == steps or done:
-            el = time.time() - t0
-            print(f"step {step:5d}/{steps} | loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f} "
-                  f"| lr {lr_now:.2e} | {el:.0f}s elapsed, ETA {el / step * (steps - step):.0f}s", flush=True)
+            last, shown = losses[shown:], step   # the loss is the mean over the steps since the last line
+            print(f"{name} step {step:5d}/{steps} | loss {sum(last) / len(last):.4f} | lr {lr_now:.2e} "
+                  f"| {elapsed_eta(t0, step, step if done else steps, at_most=stop_below is not None and not done)}", flush=True)
         if done:
             print(f"stopped at step {step}: the last 50 steps' loss is below {stop_below}", flush=True)
             break
@@ -234,9 +269,10 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     mix = DEFAULT_MIX if mix is None else mix
     seed_all(seed)
     t0 = time.time()
-    chats, generic = build_corpus(n_demos, noise, seed, domains)
+    chats, generic = build_corpus(n_demos, noise, seed, domains, progress=True)
     tok = corpus_tokenizer(chats, generic, vocab_size)
-    rows, dropped = encode_corpus(tok, chats, generic, max_len, loss_on)
+    print(f"tokenizer: {len(tok)} tokens | {time.time() - t0:.0f}s elapsed", flush=True)
+    rows, dropped = encode_corpus(tok, chats, generic, max_len, loss_on, progress=True)
     if copy_docs:   # the drill kept up during pre-training, on the corpus's own tokens
         rows += copy_rows([t for _, ids, _ in rows for t in ids], copy_docs, seed)
     n_tok = sum(len(r[1]) for r in rows)
@@ -250,7 +286,8 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
         # whose step varies between runs: 550 in one, past 1,500 in another), then stop
         print(f"induction drill: at most {drill_steps} steps at lr {drill_lr}, until its loss < {DRILL_DONE}", flush=True)
         pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, seed), drill_steps, batch_tokens,
-                 drill_lr, seed, log_every=250, stop_below=DRILL_DONE)
+                 drill_lr, seed, stop_below=DRILL_DONE, name="drill")
+    print(f"pre-training: {steps} steps at lr {lr}", flush=True)
     losses = pretrain(model, rows, steps, batch_tokens, lr, seed, mix=mix)
     elapsed = time.time() - t0
     meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed,

@@ -150,7 +150,7 @@ def expert_tokenizer(tasks):
 def test_turn_accuracy_counts_exact_expert_turns():
     """turn_accuracy teacher-forces expert episodes: a backend that writes the expert's turn scores 1 on
     every kind, one that writes something else scores 0."""
-    from envs.ecommerce import expert_turn_prompts, turn_accuracy
+    from bench.ecommerce_turns import expert_turn_prompts, turn_accuracy
     tasks = TEST[:12]
     tok, cm = expert_tokenizer(tasks)
     want = {tuple(p): text for _, p, text in expert_turn_prompts(ENV, cm, tasks)}   # prompt -> the expert's turn
@@ -163,7 +163,7 @@ def test_turn_accuracy_counts_exact_expert_turns():
 def test_kind_success_per_task_kind():
     """kind_success rolls out one episode per task and sums by kind: a backend that plays the expert's turns
     finishes every kind, one that only says "Done?" finishes none and calls no tool."""
-    from envs.ecommerce import kind_success
+    from bench.ecommerce_turns import kind_success
     tasks = TEST[:15]
     turns = {t.messages[-1]["content"]: expert_turns(t) for t in tasks}    # the goal -> the expert's turns
     assert len(turns) == len(tasks)
@@ -179,13 +179,63 @@ def test_kind_success_per_task_kind():
     assert all(ok == 0 and calls == 0 for _, ok, calls in kind_success(Says(cm, lambda p: "Done?"), tok, ENV, tasks).values())
 
 
-def test_turns_cli_needs_a_checkpoint(tmp_path):
+def probe_cli(*args):
+    """python bench/ecommerce_turns.py ARGS, from the repo root."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "envs.ecommerce", "--turns", str(tmp_path / "none")], cwd=root,
-                       capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, os.path.join(root, "bench", "ecommerce_turns.py"), *args], cwd=root,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+
+
+def test_turns_cli_needs_a_checkpoint(tmp_path):
+    r = probe_cli(str(tmp_path / "none"))
     assert r.returncode != 0 and r.stderr.strip() == f"error: no checkpoint at {tmp_path / 'none'}"
+
+
+def test_turns_cli_end_to_end_on_a_micro_checkpoint(tmp_path):
+    """The probe runs on a checkpoint saved like the tiny base (untrained micro model) and prints its two tables:
+    one row per expert turn kind (turns counted from the expert episodes), one per task kind (one episode each)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from bench.ecommerce_turns import expert_turn_prompts
+    from common import save_checkpoint
+    from envs.rollout import ChatML
+    from envs.tiny import model_config
+    tasks = ENV.tasks("test", n=2)
+    tok, _ = expert_tokenizer(tasks)
+    torch.manual_seed(0)
+    ckpt = str(tmp_path / "base")
+    save_checkpoint(ckpt, Qwen3ForCausalLM(model_config(tok, "micro", 2048)), tok, dict(method="base", stage="base"))
+    r = probe_cli(ckpt, "--n", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    turns_table, kinds_table = r.stdout.strip().split("\n\n")
+    head, sep, *rows = turns_table.splitlines()
+    assert head == "| expert turn | turns | greedy exact | sampled (T=1) exact |" and sep == "|---|---|---|---|"
+    want = {}
+    for kind, _, _ in expert_turn_prompts(ENV, ChatML(tok), tasks):
+        want[kind] = want.get(kind, 0) + 1
+    got = {}
+    for row in rows:
+        kind, n, greedy, sampled = (c.strip() for c in row.strip("|").split("|"))
+        got[kind] = int(n)
+        assert 0.0 <= float(greedy) <= 1.0 and 0.0 <= float(sampled) <= 1.0
+    assert got == want and [row.split("|")[1].strip() for row in rows] == sorted(want)
+    head, sep, *rows = kinds_table.splitlines()
+    assert head == "| task kind | episodes | success (T=1) | tool calls per episode |" and sep == "|---|---|---|---|"
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert sum(int(n) for _, n, _, _ in cells) == 2
+    assert {k for k, *_ in cells} == {t.gold["kind"] for t in tasks}
+    assert all(0.0 <= float(ok) <= 1.0 and float(calls) >= 0 for _, _, ok, calls in cells)
+
+
+def test_environment_file_loads_no_model():
+    """The probe lives in bench/: the environment file imports neither the rollout loop nor a model library."""
+    src = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "envs", "ecommerce.py")).read()
+    for name in ("envs.rollout", "import torch", "transformers", "__main__"):
+        assert name not in src, name
 
 
 def test_write_without_confirmation_is_refused():

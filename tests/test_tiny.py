@@ -1,6 +1,7 @@
 """envs/tiny.py end to end (micro size, seconds) and its bad-input handling."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -92,14 +93,69 @@ def test_copy_rows_are_fresh_sequences_said_three_times():
         assert mask == [0] * L + [1] * (2 * L)          # no loss on the first copy: it is noise
 
 
-def test_build_base_with_the_drill(tmp_path):
-    out = tmp_path / "base"
+@pytest.fixture(scope="module")
+def drill_build(tmp_path_factory):
+    """(checkpoint dir, finished process) of a micro build with the drill, made once for the tests below."""
+    out = tmp_path_factory.mktemp("drill") / "base"
     r = run("--out", str(out), "--size", "micro", "--steps", "10", "--n-demos", "20", "--vocab-size", "400",
             "--threads", "1", "--drill-steps", "10", "--copy-docs", "30")
     assert r.returncode == 0, r.stderr[-2000:]
+    return out, r
+
+
+def test_build_base_with_the_drill(drill_build):
+    out, r = drill_build
     assert "induction drill: at most 10 steps" in r.stdout
     cfg = json.loads((out / "acl_meta.json").read_text())["config"]
     assert cfg["drill_steps"] == 10 and cfg["copy_docs"] == 30
+
+
+def test_build_prints_progress_with_eta(drill_build):
+    """Every phase of the build says where it is: a line per corpus domain, the tokenizer, the encoding, and
+    step/steps with loss, lr, elapsed time and ETA for the drill (an upper bound: it may stop early) and the
+    pre-training, each ending on its last step."""
+    lines = drill_build[1].stdout.splitlines()
+    assert [l.split(":")[0] for l in lines if l.startswith("corpus ")] == [f"corpus {i}/4" for i in range(1, 5)]
+    assert any(re.fullmatch(r"tokenizer: 400 tokens \| \d+s elapsed", l) for l in lines), lines
+    encode = [l for l in lines if l.startswith("encode ")]
+    assert encode and all(re.fullmatch(r"encode \d+/100 documents \| \d+s elapsed, ETA \d+s", l) for l in encode)
+    assert encode[-1].startswith("encode 100/100 ")       # 4 x 20 conversations + 4 x 5 generic documents
+    for name, eta in (("drill", "<="), ("pre-train", "")):
+        steps = [re.fullmatch(rf"{name} step +(\d+)/10 \| loss \d+\.\d{{4}} \| lr \S+ \| \d+s elapsed, ETA {eta}\d+s", l)
+                 for l in lines if l.startswith(f"{name} step")]
+        assert steps and all(steps) and int(steps[-1].group(1)) == 10, lines
+    order = [next(i for i, l in enumerate(lines) if l.startswith(p)) for p in
+             ("corpus 1/4", "tokenizer:", "encode ", "induction drill:", "drill step", "pre-training:", "pre-train step",
+              "saved ")]
+    assert order == sorted(order), lines
+
+
+def test_progress_every_five_percent_with_eta(capsys, monkeypatch):
+    """pretrain prints about every 5% of its steps (not every step), the mean loss since the previous line,
+    and an ETA at the rate so far; printing draws no random numbers (the same losses with any log_every)."""
+    import types
+
+    import envs.tiny as tiny
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.config = torch.nn.Embedding(4, 4), types.SimpleNamespace(pad_token_id=0)
+
+        def forward(self, input_ids, attention_mask):
+            return types.SimpleNamespace(logits=self.emb(input_ids))
+
+    rows = [(g, [i] * 3, [1] * 3) for i, g in enumerate(("math", "search"), 1) for _ in range(4)]
+    losses = tiny.pretrain(Tiny(), rows, steps=200, batch_tokens=3, lr=1e-3, seed=0)
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(l.split()[2].split("/")[0]) for l in lines] == list(range(10, 201, 10))
+    assert float(lines[1].split("| loss ")[1].split()[0]) == pytest.approx(sum(losses[10:20]) / 10, abs=1e-4)
+    assert tiny.pretrain(Tiny(), rows, steps=200, batch_tokens=3, lr=1e-3, seed=0, log_every=7) == losses
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr(tiny.time, "time", lambda: next(clock))
+    t0 = tiny.time.time()
+    assert tiny.elapsed_eta(t0, 25, 100) == "10s elapsed, ETA 30s"
 
 
 def test_tiny_token_limits_fit_every_by_the_book_episode():

@@ -187,7 +187,7 @@ def test_train_seq_with_vllm_backend(micro_dir, tmp_path):
     assert "vllm backend: {'version'" in r.stdout
     for name in ("1-if", "2-math"):
         assert os.path.isfile(os.path.join(runs, "seq", name, "model.safetensors"))
-        assert os.path.isfile(os.path.join(runs, "eval", f"seq-{name}.json"))
+        assert os.path.isfile(os.path.join(runs, "eval", "inrun", f"seq-{name}.json"))
 
 
 def test_torchrun_two_ranks_with_vllm(micro_dir, tmp_path):

