@@ -32,14 +32,23 @@ Differences from the paper:
 import argparse
 import glob
 import os
-import sys
 import time
 
 import numpy as np
 import torch
 
-from common import is_checkpoint, read_header, read_meta, read_tensor, same_tensors, shard_files
-from envs import UsageError, make_env
+from common import (
+    Parser,
+    check_writable,
+    is_checkpoint,
+    read_header,
+    read_meta,
+    read_tensor,
+    same_tensors,
+    shard_files,
+    usage_exit,
+)
+from envs import DOMAINS, UsageError, make_env
 
 GROUPS = ("attention", "mlp", "embeddings", "norms")
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}   # token level: the models' dtype per device
@@ -203,9 +212,7 @@ def _pct(x) -> str:
 
 def token_level(ref: str, ckpts: list, labels: list, a) -> dict:
     from transformers import AutoModelForCausalLM
-    domain = read_meta(ref).get("stage") or a.domain
-    if domain not in ("math", "search", "ecommerce", "if"):
-        raise UsageError(f"cannot tell the reference's domain from {ref}/acl_meta.json: pass --domain")
+    domain = reference_domain(ref, a.domain)
     episodes, tok, ref_model = sample_reference(ref, domain, a.n, a.batch, a.seed, a.device)
     out = {"reference": ref, "domain": domain, "n_prompts": len(episodes),
            "n_positions": sum(len(p) for _, p in episodes), "checkpoints": {}}
@@ -298,12 +305,13 @@ def default_ckpts(runs: str) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="runs/tiny", help="run directory: defaults for the flags below")
     p.add_argument("--base", default=None, help="theta_base (default <runs>/base)")
     p.add_argument("--ckpts", nargs="+", default=None, help="checkpoints (default: every stage, oracle and merge in --runs)")
     p.add_argument("--ref", default=None, help="token level: the reference (default <runs>/seq/1-math)")
-    p.add_argument("--domain", default=None, help="token level: the reference's domain when its acl_meta.json lacks it")
+    p.add_argument("--domain", default=None, help="token level: the reference's domain (default: the stage its "
+                                                  "acl_meta.json names)")
     p.add_argument("--n", type=int, default=100, help="token level: prompts the reference answers")
     p.add_argument("--batch", type=int, default=32, help="token level: sequences per forward pass")
     p.add_argument("--buckets", type=int, default=5, help="token level: quantile buckets of the reference's entropy")
@@ -321,17 +329,31 @@ def parse_args(argv=None):
     a.ref = a.ref or os.path.join(a.runs, "seq", "1-math")
     a.out = a.out or os.path.join(a.runs, "analysis")
     try:
-        if a.n < 1 or a.batch < 1 or a.buckets < 1 or a.chunk_mb <= 0:
-            raise UsageError("need --n, --batch, --buckets >= 1 and --chunk-mb > 0")
+        if a.n < 1 or a.batch < 1 or a.buckets < 1 or not a.chunk_mb > 0 or (a.threads is not None and a.threads < 1):
+            raise UsageError("need --n, --batch, --buckets, --threads >= 1 and --chunk-mb > 0")
+        if not a.entropy_threshold >= 0 or a.entropy_threshold == float("inf"):
+            raise UsageError(f"--entropy-threshold must be a finite number of nats >= 0, got {a.entropy_threshold}")
         if len(a.ckpts) < 2:
             raise UsageError(f"need at least 2 checkpoints to compare, found {len(a.ckpts)} (pass --ckpts)")
         for c in [a.base, *a.ckpts] + ([] if a.no_tokens else [a.ref]):
             if not is_checkpoint(c):
                 raise UsageError(f"not a checkpoint directory (no config.json): {c}")
             shard_files(c)
+        if not a.no_tokens:
+            a.domain = reference_domain(a.ref, a.domain)
+        check_writable(a.out, "--out")
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        usage_exit(e)
     return a
+
+
+def reference_domain(ref: str, flag: str | None) -> str:
+    """The token level's domain: --domain when given, else the stage the reference's acl_meta.json names."""
+    domain = flag or read_meta(ref).get("stage")
+    if domain not in DOMAINS:
+        raise UsageError(f"--domain {flag!r} is not a domain ({', '.join(DOMAINS)})" if flag else
+                         f"cannot tell the reference's domain from {ref}/acl_meta.json: pass --domain")
+    return domain
 
 
 def label_of(path: str) -> str:
@@ -349,7 +371,7 @@ def main(argv=None):
     try:
         grams = displacement_gram(a.base, a.ckpts, int(a.chunk_mb * 1024 ** 2))
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        usage_exit(e)
     G = grams["all"]
     norms = np.sqrt(np.clip(np.diag(G), 0, None))
     cos = {g: cosine_from_gram(Gg) for g, Gg in grams.items()}
@@ -381,7 +403,7 @@ def main(argv=None):
         try:
             result["token"] = token_level(a.ref, [c for c, _ in later], [lab for _, lab in later], a)
         except UsageError as e:
-            sys.exit(f"error: {e}")
+            usage_exit(e)
         plot_consistency(result["token"], os.path.join(a.out, "token_consistency.png"))
         for lab, rep in result["token"]["checkpoints"].items():
             print(f"{lab}: {_pct(rep['low_consistency'])} of low-entropy tokens (H <= {a.entropy_threshold}) keep the "

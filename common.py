@@ -6,9 +6,11 @@ The training step that every method runs is train_step.py; the rollout backends 
 Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs; without it, it is a
 single process and every collective below is a no-op.
 """
+import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +30,76 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 class UsageError(ValueError):
     """The project's one input-error type: bad input from the user (a flag, a path, a data file), never from the
-    model. Every script's main prints it as one line ("error: ...") and exits."""
+    model. Every script's main prints it as one line ("error: ...") and exits with status 2 (usage_exit)."""
+
+
+def usage_exit(e):
+    """The one way a script stops on bad input: one line on stderr, exit status 2 (argparse's own)."""
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's manners: a usage error is one line and exit status 2, and a negative number
+    right after a flag (`--lr -1e-3`, which argparse takes for a flag) is that flag's value, as in `--lr=-1e-3`."""
+
+    def error(self, message):
+        usage_exit(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        joined = []
+        for tok in args:
+            if joined and NEGATIVE_NUMBER.match(tok) and joined[-1].startswith("--") and "=" not in joined[-1]:
+                joined[-1] = f"{joined[-1]}={tok}"
+            else:
+                joined.append(tok)
+        return super().parse_known_args(joined, namespace)
+
+
+def check_output(path: str, kind: str, inputs=(), overwrite: bool = False, flag: str = "--out") -> str:
+    """The one rule for where a script writes a checkpoint of `kind` (acl_meta.json's "method"): the target may be
+    replaced only if it is a checkpoint of that kind that this project wrote and `overwrite` is set (a script's
+    own resume logic decides for itself); never if it is an input of the same command, the current directory or
+    one of its parents, a file, or a directory holding anything else. UsageError before any work; -> abspath."""
+    target = os.path.realpath(path)
+    where = check_writable(path, flag)
+    for other in inputs:
+        o = os.path.realpath(other)
+        if o == target or o.startswith(target + os.sep) or target.startswith(o + os.sep):
+            raise UsageError(f"{flag} {path} is (or holds, or lies in) {other}, an input of this command")
+    if os.path.isdir(target) and os.listdir(target):
+        meta = read_meta(target)
+        if not meta:
+            raise UsageError(f"{flag} {path} is a directory that this project did not write (no acl_meta.json): "
+                             f"refusing to replace it")
+        if meta.get("method") != kind:
+            raise UsageError(f"{flag} {path} holds a {meta.get('method')!r} checkpoint, not a {kind!r} one: "
+                             f"refusing to replace it")
+        if not overwrite:
+            raise UsageError(f"{flag} {path} holds a {kind} checkpoint already (saved {meta.get('saved_at', '?')}); "
+                             f"pass --overwrite to replace it")
+    return where
+
+
+def check_writable(path: str, flag: str) -> str:
+    """UsageError unless `path` can be a directory this script writes into: not a file, not the current directory
+    or one of its parents, and under a directory that exists and is writable (or can be made). -> abspath."""
+    target = os.path.realpath(path)
+    cwd = os.path.realpath(os.getcwd())
+    if target == cwd or cwd.startswith(target + os.sep):
+        raise UsageError(f"{flag} {path} is the current directory or one of its parents")
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise UsageError(f"{flag} {path} is a file, not a directory")
+    up = target
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write under {up}")
+    return os.path.abspath(path)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -178,27 +249,86 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
 
-def save_train_state(path: str, model, opt, extra: dict):
+# ----------------------------------------------------------------------------- a run's own files
+# Beside a checkpoint directory OUT that a run is making: .resume-OUT.pt (the state to resume from), .resume-OUT.json
+# (the recipe that made it, written first) and .diverged-OUT.json (a run that stopped on non-finite numbers).
+
+def run_files(out: str) -> tuple:
+    """(resume state, its recipe, divergence marker) of the checkpoint directory `out`."""
+    d, b = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
+    return (os.path.join(d, f".resume-{b}.pt"), os.path.join(d, f".resume-{b}.json"),
+            os.path.join(d, f".diverged-{b}.json"))
+
+
+def check_run_files(out: str, recipe: dict, also=()):
+    """UsageError unless what lies in out's place belongs to a run with `recipe`: the finished checkpoint (and the
+    ones in `also`), a resume state, and no divergence marker (a run that diverged is not continued)."""
+    state, state_recipe, diverged = run_files(out)
+    if os.path.isfile(diverged):
+        with open(diverged) as f:
+            why = json.load(f).get("reason")
+        raise UsageError(f"{out} diverged in an earlier run ({why}); change the recipe under another --runs, or "
+                         f"delete {diverged} to try again")
+    for path in [out, *also]:
+        meta = read_meta(path)
+        if meta and meta.get("recipe") != recipe:
+            raise UsageError(f"{path} was made with another recipe or from another parent; use another --runs or "
+                             f"delete it")
+    if os.path.isfile(state):
+        saved = json.load(open(state_recipe)) if os.path.isfile(state_recipe) else None
+        if saved != recipe:
+            raise UsageError(f"{state} was saved by a run with another recipe or parent; use another --runs or "
+                             f"delete it")
+
+
+def mark_diverged(out: str, reason: str):
+    save_json(run_files(out)[2], dict(reason=reason, at=time.strftime("%Y-%m-%dT%H:%M:%S")))
+
+
+def remove_leftovers(outs: list, *dirs):
+    """Remove what killed writes leave and nothing else would: the temporary directories of the checkpoints `outs`
+    (.tmp-<name>-<pid>-...), temporary files of their resume states, and temporary files in `dirs`; only names
+    this project's writers make."""
+    import glob
+    paths = []
+    for out in outs:
+        d, b = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
+        paths += glob.glob(os.path.join(d, f".tmp-{b}-*")) + glob.glob(os.path.join(d, f".resume-{b}.*.tmp-*"))
+    for d in dirs:
+        paths += glob.glob(os.path.join(d, "*.tmp-*"))
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        print0(f"removed {path}, left by a killed run")
+
+
+def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = None):
     """Everything needed to resume training beside the checkpoint: the model and optimizer state (full,
-    gathered to rank 0 under FSDP2), the RNG states and `extra` (step, data cursor, ...). Atomic: written
-    to a temporary file, then renamed. Every rank must call it."""
+    gathered to rank 0 under FSDP2), the RNG states and `extra` (step, data cursor, ...), and first `recipe`
+    (check_run_files compares it). Atomic: written to a temporary file, then renamed. Every rank must call it."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, opt, options=opts)
     if rank() == 0:
-        state = dict(model=msd, optim=osd, extra=extra, torch_rng=torch.get_rng_state(),
-                     py_rng=random.getstate(), np_rng=np.random.get_state())
+        if recipe is not None:
+            save_json(path[: -len(".pt")] + ".json" if path.endswith(".pt") else path + ".json", recipe)
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        # only tensors and plain Python values, so that it loads with torch.load(weights_only=True)
+        state = dict(model=msd, optim=osd, extra=extra, torch_rng=torch.get_rng_state(), py_rng=random.getstate(),
+                     np_rng=dict(name=name, keys=torch.from_numpy(keys.astype(np.int64)), pos=int(pos),
+                                 has_gauss=int(has_gauss), gauss=float(gauss)))
         write_file_atomically(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_train_state(path: str, model, opt) -> dict:
     """Restore what save_train_state wrote into `model` and `opt` (broadcast from rank 0 under FSDP2);
     returns `extra`. Every rank must call it."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=sharded())
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["py_rng"])
-    np.random.set_state(state["np_rng"])
+    v, internal, gauss = state["py_rng"]
+    random.setstate((v, tuple(internal), gauss))
+    r = state["np_rng"]
+    np.random.set_state((r["name"], r["keys"].numpy().astype(np.uint32), r["pos"], r["has_gauss"], r["gauss"]))
     return state["extra"]
 
 
@@ -218,7 +348,9 @@ def code_revision() -> str:
 
 def write_atomically(out_dir: str, write) -> str:
     """Call write(tmp) on a temporary sibling directory, then rename it to out_dir: a half-written checkpoint
-    never exists under its final name, and an existing one is replaced only after the new one is whole."""
+    never exists under its final name, and an existing one is replaced only after the new one is whole, and only
+    if it is a checkpoint this project wrote (acl_meta.json) or an empty directory (scripts check their targets
+    with check_output before any work; this is the last line of defence)."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -227,7 +359,9 @@ def write_atomically(out_dir: str, write) -> str:
     try:
         write(tmp)
         old = None
-        if os.path.exists(out_dir):
+        if os.path.lexists(out_dir):
+            if not os.path.isdir(out_dir) or (os.listdir(out_dir) and not read_meta(out_dir)):
+                raise UsageError(f"{out_dir} exists and is not a checkpoint this project wrote: not replacing it")
             old = tmp + ".old"
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)

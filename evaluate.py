@@ -35,12 +35,20 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 
 import torch
 
-from common import code_revision, is_checkpoint, print0, save_json, write_file_atomically
+from common import (
+    Parser,
+    check_writable,
+    code_revision,
+    is_checkpoint,
+    print0,
+    save_json,
+    usage_exit,
+    write_file_atomically,
+)
 from envs import DOMAINS, UsageError, add_data_flags, env_options, make_env, parse_domains
 from envs.base import SPLITS
 from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, HFBackend, make_backend, rollout
@@ -202,9 +210,35 @@ def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
             "benchmarks": benchmarks}
 
 
+def evaluate_inrun(model, tok, ckpt, runs, *, suite, n, batch, max_tokens, max_turn_tokens, env_opts, seconds,
+                   backend=None) -> dict:
+    """A training script's evaluation of the checkpoint `ckpt` it just wrote (call it on rank 0): every domain on n
+    tasks per split, one seed, saved as runs/<preset>/eval/inrun/<name>.json (inrun_path) with the stage's time."""
+    name = os.path.relpath(ckpt, runs).replace(os.sep, "-")
+    rec = evaluate_record(model, tok, ckpt, suite, n=n, seeds=1, batch=batch, backend=backend, max_tokens=max_tokens,
+                          env_opts=env_opts, max_turn_tokens=max_turn_tokens, label=f"[{name}] eval ")
+    save_results(inrun_path(os.path.join(runs, "eval"), name), rec | dict(stage_seconds=round(seconds, 1)))
+    cells = " | ".join(f"{k} {v['mean']:.3f}" for k, v in rec["benchmarks"].items())
+    print0(f"[{name}] eval ({rec['wall_s']:.0f}s; stage took {seconds:.0f}s): {cells}")
+    return rec
+
+
 def save_results(path, results):
     """Write results (a record or a {benchmark: ...} dict) as JSON atomically: a reader never sees half a file."""
     return save_json(path, results)
+
+
+MATRIX_SETTINGS = ("n", "seeds", "k", "temperature", "max_tokens", "max_turn_tokens")
+
+
+def settings_note(saved, settings) -> str:
+    """How a saved record was made, for the accuracy matrix's rows: its task count, and every setting that
+    differs from this run's (so rows made differently are never mixed silently)."""
+    theirs = dict(saved.get("settings") or {})
+    theirs["n"] = "/".join(map(str, sorted({b["n"] for b in _benchmarks(saved).values()})))
+    diff = [f"{k} {theirs.get(k)} here {settings.get(k)}" for k in MATRIX_SETTINGS[1:]
+            if k in theirs and theirs.get(k) != settings.get(k)]
+    return ", ".join([f"n={theirs['n']}"] + (["other settings: " + "; ".join(diff)] if diff else []))
 
 
 def inrun_path(eval_dir, name):
@@ -365,7 +399,7 @@ def _stages(names, label) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="checkpoint directories (Hugging Face format)")
     p.add_argument("--suite", default="tiny", help="tiny (the tiny worlds' test/ood splits) or full (real benchmarks)")
     p.add_argument("--seeds", type=int, default=1,
@@ -401,8 +435,12 @@ def resolve(a) -> dict:
     for flag in ("seeds", "k", "n", "batch", "max_tokens", "max_turn_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
-    if a.temperature < 0 or a.threads < 0:
+    if not 0 <= a.temperature < float("inf") or a.threads < 0:
         raise UsageError("--temperature and --threads must be >= 0")
+    defaults = SUITE_DEFAULTS.get(a.suite, {})
+    if (a.max_turn_tokens or defaults["max_turn_tokens"]) > (a.max_tokens or defaults["max_tokens"]):
+        raise UsageError(f"--max-turn-tokens ({a.max_turn_tokens or defaults['max_turn_tokens']}) must not exceed "
+                         f"--max-tokens ({a.max_tokens or defaults['max_tokens']})")
     domains = parse_domains(a.domains)
     splits = [s.strip() for s in a.splits.split(",") if s.strip()]
     for s in splits or [""]:
@@ -426,6 +464,7 @@ def resolve(a) -> dict:
         eval_dir = a.out_dir or eval_dir
         if eval_dir is None:
             raise UsageError(f"cannot tell the preset of {path} (not under runs/<preset>/): pass --out-dir")
+        check_writable(eval_dir, "--out-dir" if a.out_dir else "the eval directory")
         out = os.path.join(eval_dir, f"{name}.json")
         if out in seen:
             raise UsageError(f"{path} and {seen[out]} would both be saved as {out}")
@@ -455,7 +494,7 @@ def main():
     try:
         r = resolve(a)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
     defaults = SUITE_DEFAULTS[a.suite]
@@ -486,8 +525,7 @@ def main():
             for path in (r["saved"].get(name), inrun_path(r["matrix_dir"], name)):
                 saved = load_results(path) if path and os.path.isfile(path) else None
                 if saved and saved.get("suite") == a.suite:
-                    n = {b["n"] for b in _benchmarks(saved).values()}
-                    sources[name] = f"{os.path.relpath(path, r['matrix_dir'])} (n={'/'.join(map(str, sorted(n)))})"
+                    sources[name] = f"{os.path.relpath(path, r['matrix_dir'])} ({settings_note(saved, settings)})"
                     return saved
             return None
         m = accuracy_matrix([(name, d, row(name)) for _, name, d in r["stages"]], row("base"), r["domains"])

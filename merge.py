@@ -30,14 +30,24 @@ Differences from the paper:
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
-import sys
 import time
 
 import torch
 
-from common import is_checkpoint, read_tensor, same_tensors, tensor_infos, write_atomically, write_meta
+from common import (
+    Parser,
+    check_output,
+    is_checkpoint,
+    read_tensor,
+    same_tensors,
+    tensor_infos,
+    usage_exit,
+    write_atomically,
+    write_meta,
+)
 from envs import DOMAINS, UsageError, parse_domains
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
@@ -236,7 +246,7 @@ def search_weights(a, files) -> tuple:
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="theta_0: the checkpoint the task vectors are taken against")
     p.add_argument("--models", nargs="+", required=True, help="the checkpoints to merge (task vectors)")
     p.add_argument("--weights", nargs="+", type=float, default=None, help="lambda_k, one per model")
@@ -245,7 +255,9 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=None,
                    help="fraction of each task vector kept (ties/dare; default 0.5 for them, 1 otherwise)")
     p.add_argument("--seed", type=int, default=0, help="seed of DARE's drops")
-    p.add_argument("--out", required=True, help="merged checkpoint directory to write")
+    p.add_argument("--out", required=True, help="merged checkpoint directory to write (a new one, or a merge this "
+                                                "project wrote, with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it is a merged checkpoint already")
     p.add_argument("--domains", default=",".join(DOMAINS),
                    help="search: the domains scored, in the order of --models' stages")
     p.add_argument("--oracles", nargs="+", default=None, help="balanced search: one oracle checkpoint per domain")
@@ -261,6 +273,10 @@ def parse_args(argv=None):
             raise UsageError("give either --weights (one per model) or --search uniform|grid|balanced")
         if a.weights is not None and len(a.weights) != len(a.models):
             raise UsageError(f"{len(a.weights)} weights for {len(a.models)} models: give one weight per model")
+        if a.weights is not None and not all(math.isfinite(w) for w in a.weights):
+            raise UsageError(f"--weights must be finite numbers, got {' '.join(map(str, a.weights))}")
+        if not (a.shard_gb > 0 and math.isfinite(a.shard_gb)) or a.batch < 1 or (a.threads is not None and a.threads < 1):
+            raise UsageError("need --shard-gb > 0, --batch >= 1 and --threads >= 1")
         a.density = a.density if a.density is not None else (1.0 if a.method == "task_arithmetic" else 0.5)
         if not 0 < a.density <= 1:
             raise UsageError(f"--density must be in (0, 1], got {a.density}")
@@ -278,8 +294,9 @@ def parse_args(argv=None):
         for ckpt in a.oracles or []:
             if not is_checkpoint(ckpt):
                 raise UsageError(f"not a checkpoint directory (no config.json): {ckpt}")
+        check_output(a.out, "merge", inputs=[a.base, *a.models, *(a.oracles or [])], overwrite=a.overwrite)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        usage_exit(e)
     return a
 
 
@@ -297,7 +314,7 @@ def main(argv=None):
         try:
             weights, tried, oracle = search_weights(a, a.files)
         except UsageError as e:
-            sys.exit(f"error: {e}")
+            usage_exit(e)
     config = {k: v for k, v in vars(a).items() if k != "files"}
     meta = dict(seed=a.seed, config=config, search=a.search, weights=weights, curriculum_position=None, step=None,
                 candidates=[dict(weights=list(w), scores=s, objective=o) for w, s, o in tried] if tried else None,

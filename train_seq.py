@@ -13,7 +13,7 @@ Each stage:
      optional k3 KL to the stage's starting weights, dynamic sampling (groups with equal rewards are
      dropped and more prompts drawn), a truncated importance weight between the sampler's and the
      trainer's log-probs, environment tokens masked out -> runs/<preset>/seq/<i>-<domain>/;
-  3. evaluate every domain (evaluate.py) -> runs/<preset>/eval/seq-<i>-<domain>.json.
+  3. evaluate every domain on --eval-n tasks (evaluate.py) -> runs/<preset>/eval/inrun/seq-<i>-<domain>.json.
 
     python train_seq.py                                  # tiny: runs/tiny/seq/1-math ... 4-if (CPU)
     python train_seq.py --oracle                         # tiny oracles: runs/tiny/oracle/<domain>
@@ -42,26 +42,34 @@ import time
 import torch
 
 from common import (
+    Parser,
     all_reduce_sum,
+    check_run_files,
+    check_writable,
     full_state_dict,
     gather_mean,
     init_dist,
     is_checkpoint,
     load_policy,
     load_train_state,
+    mark_diverged,
     print0,
     rank,
     read_meta,
+    remove_leftovers,
+    run_files,
     save_checkpoint,
     save_train_state,
     seed_all,
     shard,
     teardown,
+    usage_exit,
     world_size,
 )
-from envs import add_data_flags, env_options, per_domain
+from envs import add_data_flags, env_options, load_envs, per_domain
 from envs.base import UsageError
 from envs.rollout import make_backend, push_weights
+from evaluate import evaluate_inrun, inrun_path
 from train_step import (
     Cursor,
     add_scale_flags,
@@ -140,11 +148,23 @@ def stage_dir(a, i: int, domain: str) -> str:
 
 
 def recipe(a, domain: str) -> dict:
-    """The settings a finished stage must match to be skipped on a rerun."""
-    keys = ("group", "lr", "minibatches", "clip_low", "clip_high", "agg", "kl_coef", "temperature", "max_tokens",
-            "max_turn_tokens", "rft_samples", "rft_epochs", "rft_lr", "seed")
+    """The settings a finished stage (and a resume state) must match to be used on a rerun: the recipe, and the
+    stage's lineage: the starting checkpoint and the stages trained before it (an oracle has none)."""
+    keys = ("group", "lr", "minibatches", "clip_low", "clip_high", "agg", "kl_coef", "tis_cap", "grad_clip",
+            "dynamic_sampling", "max_gen_rounds", "temperature", "max_tokens", "max_turn_tokens", "rft_samples",
+            "rft_epochs", "rft_lr", "seed")
+    init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
+    before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
     return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
-                rft_prompts=a.rft_prompts_by_domain.get(domain, 0) if domain in AGENTIC else 0)
+                rft_prompts=a.rft_prompts_by_domain.get(domain, 0) if domain in AGENTIC else 0, init=init,
+                trained_after=before)
+
+
+def check_stage(a, i: int, domain: str):
+    """UsageError, before any work, unless what lies in stage i's place belongs to this run (common.check_run_files):
+    the stage, its RFT checkpoint and its resume state made with this recipe and lineage, and no divergence."""
+    out = stage_dir(a, i, domain)
+    check_run_files(out, recipe(a, domain), also=[out + "-rft"])
 
 
 def rollouts(backend, tok, env, tasks, n, a, seed, adapter=None):
@@ -170,8 +190,11 @@ def rft(policy, tok, backend, env, tasks, a, stage_name):
     backend.sleep()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.rft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     policy.train()
-    sft_epochs(policy, opt, kept, epochs=a.rft_epochs, batch=max(1, a.micro_batch // 2), micro_batch=a.micro_batch,
-               grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft")
+    try:
+        sft_epochs(policy, opt, kept, epochs=a.rft_epochs, batch=max(1, a.micro_batch // 2), micro_batch=a.micro_batch,
+                   grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft")
+    except FloatingPointError as e:
+        raise FloatingPointError(f"[{stage_name}] RFT: {e}") from None
     backend.wake()
     push_weights(backend, policy)
     return n_kept
@@ -179,6 +202,15 @@ def rft(policy, tok, backend, env, tasks, a, stage_name):
 
 def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None, push=push_weights,
          adapter=None):
+    """The GRPO loop of one stage (grpo_steps), with the step at which a non-finite loss, gradient or weight
+    appeared named in the error."""
+    try:
+        grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter)
+    except FloatingPointError as e:
+        raise FloatingPointError(f"[{stage_name}] GRPO step {grpo_steps.step}: {e}") from None
+
+
+def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter):
     """The GRPO loop of one stage, resumable from `resume_path`. The two seams mle.py composes it through:
     push(backend, policy) puts the updated weights into the engine, and `adapter` (a LoRA adapter directory,
     or None) is what the rollouts sample with."""
@@ -196,6 +228,7 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
     step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
     t0 = time.time()
     for step in range(start + 1, steps + 1):
+        grpo_steps.step = step
         t_step = time.time()
         # ---- generate: draw prompts until enough groups carry signal (dynamic sampling), or give up
         policy.eval()
@@ -248,16 +281,14 @@ def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, r
                f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
                f"{el:.0f}s elapsed, ETA {el / (step - start) * (steps - step):.0f}s")
         if a.save_every and step % a.save_every == 0 and step < steps:
-            save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos))
+            save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos), recipe=recipe(a, domain))
 
 
-def run_stage(i, domain, parent, a, device):
+def run_stage(i, domain, parent, a, device, env):
     """RFT (agentic domains) + GRPO + save + evaluate; returns the stage's checkpoint directory."""
-    from envs import make_env
     out = stage_dir(a, i, domain)
     name = os.path.relpath(out, a.runs)
     t0 = time.time()
-    env = make_env(domain, **a.env_opts.get(domain, {}))
     rft_dir = out + "-rft"
     use_rft = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
     rft_done = use_rft and read_meta(rft_dir).get("recipe") == recipe(a, domain)
@@ -286,13 +317,15 @@ def run_stage(i, domain, parent, a, device):
         t_rft = time.time() - t1
         save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft", seconds=round(t_rft, 1)))
     steps = a.steps_by_domain[domain]
-    resume_path = os.path.join(os.path.dirname(out), f".resume-{os.path.basename(out)}.pt")
+    resume_path, resume_recipe, _ = run_files(out)
     grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model)
     seconds = time.time() - t0
     save(policy, tok, out, a, domain, i, parent, dict(rft_kept=n_rft, rft_seconds=round(t_rft, 1),
                                                       seconds=round(seconds, 1)))
-    if rank() == 0 and os.path.exists(resume_path):
-        os.remove(resume_path)
+    if rank() == 0:
+        for path in (resume_path, resume_recipe):
+            if os.path.exists(path):
+                os.remove(path)
     if a.eval_n:
         evaluate_stage(engine if engine is not None else policy, tok, out, a, seconds,
                        backend=backend if a.backend == "vllm" else None)
@@ -311,29 +344,21 @@ def save(policy, tok, out, a, domain, i, parent, extra):
 
 
 def evaluate_stage(model, tok, out, a, seconds, backend=None):
-    """Score every domain (each domain's test and ood split on the tiny suite; every benchmark on the full
-    one) on --eval-n tasks, on rank 0, and write runs/<preset>/eval/inrun/<name>.json: the record evaluate.py
-    writes, in a directory of its own so that it never replaces evaluate.py's (300-task) record of the stage."""
-    from evaluate import evaluate_record, inrun_path, save_results
-    name = os.path.relpath(out, a.runs)
+    """evaluate.evaluate_inrun on --eval-n tasks per split: runs/<preset>/eval/inrun/<name>.json (rank 0)."""
     if rank() == 0:
-        rec = evaluate_record(model, tok, out, "tiny" if a.preset == "tiny" else "full", n=a.eval_n or None, seeds=1,
-                              batch=a.gen_batch, backend=backend, max_tokens=a.max_tokens, env_opts=a.env_opts,
-                              max_turn_tokens=a.max_turn_tokens, label=f"[{name}] eval ")
-        save_results(inrun_path(os.path.join(a.runs, "eval"), name.replace(os.sep, "-")),
-                     rec | dict(stage_seconds=round(seconds, 1)))
-        cells = " | ".join(f"{k} {v['mean']:.3f}" for k, v in rec["benchmarks"].items())
-        print0(f"[{name}] eval ({rec['wall_s']:.0f}s; stage took {seconds:.0f}s): {cells}")
+        evaluate_inrun(model, tok, out, a.runs, suite="tiny" if a.preset == "tiny" else "full", n=a.eval_n,
+                       batch=a.gen_batch, backend=backend, max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens,
+                       env_opts=a.env_opts, seconds=seconds)
 
 
 # ----------------------------------------------------------------------------- command line
 
 def get_args(argv=None):
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = Parser(add_help=False)
     pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     name = pre.parse_known_args(argv)[0].preset
     preset = PRESETS[name]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
     p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
     p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
@@ -402,37 +427,55 @@ def check_args(a):
     return a
 
 
+def evaluate_finished(out, a, device):
+    """The in-run evaluation of a finished stage whose record is missing (a run killed while it evaluated)."""
+    policy, tok = load_policy(out, device, a.attn)
+    backend, engine = make_backend(a.backend, tok, out, policy=policy, device=device, gen_batch=a.gen_batch,
+                                   bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed,
+                                   attn=a.attn)
+    evaluate_stage(engine if engine is not None else policy, tok, out, a, read_meta(out).get("seconds", 0.0),
+                   backend=backend if a.backend == "vllm" else None)
+
+
 def main(argv=None):
     a = get_args(argv)
     try:
         a = check_args(a)
-        # a finished stage trained with another recipe: refuse rather than mix two runs in one directory
-        for i, d in enumerate(a.curriculum, 1):
-            meta = read_meta(stage_dir(a, i, d))
-            if meta and meta.get("recipe") != recipe(a, d):
-                raise UsageError(f"{stage_dir(a, i, d)} was trained with another recipe; use another --runs "
-                                 f"or delete it")
         if a.dry_run:
             dry_run(a, a.init, a.world_size, a.micro_batch, a.max_tokens, ref_model=a.kl_coef > 0)
             return
+        check_writable(a.runs, "--runs")
+        for i, d in enumerate(a.curriculum, 1):   # what lies in a stage's place must be this run's
+            check_stage(a, i, d)
+        envs = load_envs(a.curriculum, a.env_opts, a.seed)   # every stage's data, before stage 1 trains
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
     device = init_dist()
     print0(f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from {a.init}, "
            f"{world_size()} process(es)\nresolved config: {vars(a)}")
-    parent, t0 = a.init, time.time()
+    if rank() == 0:
+        remove_leftovers([stage_dir(a, i, d) for i, d in enumerate(a.curriculum, 1)], os.path.join(a.runs, "eval", "inrun"))
+    parent, t0, out = a.init, time.time(), None
     try:
         for i, domain in enumerate(a.curriculum, 1):
             out = stage_dir(a, i, domain)
+            name = os.path.relpath(out, a.runs)
             if read_meta(out).get("recipe") == recipe(a, domain):
-                print0(f"[{os.path.relpath(out, a.runs)}] finished before, skipping")
+                print0(f"[{name}] finished before, skipping")
+                if a.eval_n and not os.path.isfile(inrun_path(os.path.join(a.runs, "eval"), name.replace(os.sep, "-"))):
+                    print0(f"[{name}] its in-run evaluation is missing: evaluating it now")
+                    evaluate_finished(out, a, device)
             else:
-                run_stage(i, domain, a.init if a.oracle else parent, a, device)
+                run_stage(i, domain, a.init if a.oracle else parent, a, device, envs[domain])
             parent = out
     except FloatingPointError as e:
-        sys.exit(f"error: {e}; the last good checkpoint is {parent}")
+        if rank() == 0:   # a restart refuses to continue from here (check_stage)
+            mark_diverged(out, str(e))
+        sys.exit(f"error: {e}; nothing non-finite was saved; the last good checkpoint is {parent}")
+    except OSError as e:
+        sys.exit(f"error: a write failed: {e}")
     print0(f"done in {time.time() - t0:.0f}s")
     teardown()
 

@@ -290,7 +290,17 @@ def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "tok
     if not math.isfinite(norm):
         raise FloatingPointError(f"non-finite gradient norm {norm}")
     opt.step()
+    check_finite(model, "after the optimizer step")
     return total, {k: all_reduce_sum(v) / max(n_tok, 1.0) for k, v in sums.items()} | {"grad_norm": norm}
+
+
+@torch.no_grad()
+def check_finite(model, when: str):
+    """FloatingPointError unless every weight is finite (on every rank's shard): a diverging run stops at the step
+    it diverged, and nothing non-finite is ever saved or sampled from."""
+    bad = sum(int(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
+    if all_reduce_sum(bad):
+        raise FloatingPointError(f"non-finite weights {when}")
 
 
 # ----------------------------------------------------------------------------- supervised fine-tuning

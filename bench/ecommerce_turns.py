@@ -24,6 +24,7 @@ import sys
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import Parser, is_checkpoint, usage_exit  # noqa: E402
 from envs.base import parse_tool_calls  # noqa: E402
 from envs.ecommerce import EcommerceEnv, expert_turns, play  # noqa: E402
 
@@ -82,16 +83,15 @@ def kind_success(backend, tok, env, tasks, seed=0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint to teacher-force on expert episodes")
     p.add_argument("--n", type=int, default=80, help="tiny tasks")
     p.add_argument("--split", default="test", choices=["train", "val", "test"])
     a = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.ckpt, "config.json")):
-        sys.exit(f"error: no checkpoint at {a.ckpt}")
+    if not is_checkpoint(a.ckpt):
+        usage_exit(f"no checkpoint at {a.ckpt}")
     if a.n < 1:
-        sys.exit("error: need --n >= 1")
+        usage_exit("need --n >= 1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from envs.rollout import HFBackend

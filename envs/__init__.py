@@ -21,6 +21,25 @@ def make_env(domain: str, **options):
     return getattr(importlib.import_module(module), name)(**options)
 
 
+def load_envs(domains, env_opts: dict, seed: int = 0) -> dict:
+    """{domain: its environment}, each with its train prompts loaded once, for a script to check every domain's
+    data before any work: UsageError naming the domain on a bad flag, a missing file or a loader's own error."""
+    envs = {}
+    for d in domains:
+        try:
+            env = make_env(d, **env_opts.get(d, {}))
+            n = len(env.tasks("train", seed=seed))
+        except UsageError as e:
+            raise UsageError(f"{d}: {e}") from None
+        except Exception as e:   # a loader's own error (a hub id offline, a malformed file): one line, not a traceback
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise UsageError(f"{d}: cannot load its train prompts ({type(e).__name__}: {first})") from None
+        if n == 0:
+            raise UsageError(f"{d}: its train split is empty")
+        envs[d] = env
+    return envs
+
+
 def parse_domains(text: str) -> list:
     """'math,search' -> ['math', 'search'], with one clear error for a typo or a repeat."""
     domains = [d.strip() for d in text.split(",") if d.strip()]
@@ -60,12 +79,15 @@ def add_data_flags(p, train: bool = False):
     p.add_argument("--tau-data", default=None, help="ecommerce: tau-bench v1 or tau2/tau3 retail data directory")
     p.add_argument("--user-url", default=None, help="ecommerce: OpenAI-compatible endpoint of the simulated user")
     p.add_argument("--user-model", default=None, help="ecommerce: the simulated user's model name (default gpt-4o)")
+    p.add_argument("--user-key-env", default=None, help="ecommerce: the environment variable holding the user "
+                   "endpoint's API key (e.g. OPENAI_API_KEY); no key is sent unless one is named")
 
 
 def env_options(a) -> dict:
     """{domain: its Env's constructor arguments} from add_data_flags' flags; flags left unset are left out."""
     opts = dict(math=dict(data=getattr(a, "math_data", None)),
                 search=dict(data=a.search_data, corpus=a.search_corpus, retriever_url=a.retriever_url),
-                ecommerce=dict(data=a.tau_data, user_url=a.user_url, user_model=a.user_model),
+                ecommerce=dict(data=a.tau_data, user_url=a.user_url, user_model=a.user_model,
+                               user_api_key_env=a.user_key_env),
                 **{"if": dict(data=getattr(a, "if_data", None))})
     return {d: {k: v for k, v in o.items() if v is not None} for d, o in opts.items()}

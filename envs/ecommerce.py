@@ -28,6 +28,7 @@ import json
 import os
 import random
 import re
+import sys
 import urllib.request
 
 from envs.base import SPLITS, Env, Task, UsageError, function_schema, parse_tool_calls, tool_call_text, tool_message
@@ -871,14 +872,22 @@ class EcommerceEnv(Env):
     user_url: an OpenAI-compatible endpoint (e.g. http://host:8000/v1) for the LLM user; required with
         `data`; None means the tiny arena's scripted user.
     user_model, user_api_key_env, user_timeout: the user model's name, the environment variable that holds
-        its API key, and the HTTP timeout in seconds.
+        its API key (None: no key is sent; a key goes only where it is named, and a warning is printed when it
+        would travel over plain http to another machine), and the HTTP timeout in seconds.
     max_turns: assistant turns per episode (default 10 tiny, 30 full, as tau-bench's 30 steps)."""
     domain = "ecommerce"
 
-    def __init__(self, data=None, user_url=None, user_model="gpt-4o", user_api_key_env="OPENAI_API_KEY",
+    def __init__(self, data=None, user_url=None, user_model="gpt-4o", user_api_key_env=None,
                  user_timeout=60.0, max_turns=None):
         if data is not None and not user_url:
             raise UsageError("real e-commerce data needs an LLM user: pass user_url (an OpenAI-compatible endpoint)")
+        if user_api_key_env and not os.environ.get(user_api_key_env):
+            raise UsageError(f"the user model's key variable {user_api_key_env} is not set")
+        if user_api_key_env and user_url:
+            from urllib.parse import urlparse
+            u = urlparse(user_url)
+            if u.scheme == "http" and u.hostname not in ("localhost", "127.0.0.1", "::1"):
+                print(f"warning: the key in {user_api_key_env} goes to {u.hostname} over plain http", file=sys.stderr)
         self.data, self.user_url, self.user_model = data, user_url, user_model
         self.user_api_key_env, self.user_timeout = user_api_key_env, user_timeout
         self.max_turns = max_turns or (10 if data is None else 30)
@@ -977,7 +986,7 @@ class EcommerceEnv(Env):
         url = self.user_url.rstrip("/")
         url = url if url.endswith("/chat/completions") else url + "/chat/completions"
         headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.user_api_key_env or "", "")
+        key = os.environ.get(self.user_api_key_env, "") if self.user_api_key_env else ""
         if key:
             headers["Authorization"] = f"Bearer {key}"
         body = json.dumps({"model": self.user_model, "messages": chat, "temperature": 0.0}).encode()

@@ -22,6 +22,7 @@ the last \\boxed{} ("B" or "(B)").
 Reward: 1 if the final answer is right, else 0; a truncated episode (cut by a token limit) scores 0
 because its answer is unfinished. Metrics: acc, boxed (a \\boxed{...} answer was found at all).
 """
+import math
 import os
 import random
 import re
@@ -86,13 +87,72 @@ def _answer_line(text: str) -> str | None:
     return text[k + len("Answer:"):].split("\n", 1)[0].strip().strip("$").rstrip(".").strip() or None
 
 
-def _math_verify(pred: str, answer: str) -> float:
+GRADE_TIMEOUT = 5.0                        # seconds one math-verify grade may take; past it the answer scores 0
+GRADE_TIMEOUTS = {"count": 0}              # grades cut at GRADE_TIMEOUT in this process, wherever they ran
+
+
+def _math_verify_here(pred: str, answer: str, timeout) -> float:
     from math_verify import parse, verify
-    # math-verify times out with signal.alarm, which only works in the main thread; elsewhere run without
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = parse("\\boxed{" + answer.strip().strip("$") + "}", parsing_timeout=timeout)
     got = parse("\\boxed{" + pred.strip().strip("$") + "}", parsing_timeout=timeout)
     return float(bool(gold) and bool(got) and verify(gold, got, timeout_seconds=timeout))
+
+
+def _grader_loop(conn):
+    """The grading process: (pred, answer) in, a score out, until the pipe closes."""
+    while True:
+        try:
+            pred, answer = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(_math_verify_here(pred, answer, None))
+        except Exception:
+            conn.send(0.0)
+
+
+class _Grader:
+    """math-verify off the main thread, where its signal.alarm timer cannot run: one grading process of its own,
+    and a grade that takes longer than GRADE_TIMEOUT has that process killed (and a new one started next time)
+    and scores 0. One grade at a time (a lock): grading is fast beside generation."""
+
+    def __init__(self):
+        self.lock, self.proc, self.conn = threading.Lock(), None, None
+
+    def __call__(self, pred: str, answer: str) -> float:
+        import multiprocessing as mp
+        with self.lock:
+            if self.proc is None or not self.proc.is_alive():
+                self.conn, child = mp.get_context("spawn").Pipe()
+                self.proc = mp.get_context("spawn").Process(target=_grader_loop, args=(child,), daemon=True)
+                self.proc.start()
+                child.close()
+                self.conn.send(("1", "1"))   # warm up (imports) outside the first real grade's time limit
+                self.conn.recv()
+            self.conn.send((pred, answer))
+            if self.conn.poll(GRADE_TIMEOUT):
+                return self.conn.recv()
+            self.proc.kill()
+            self.proc.join()
+            self.proc = None
+            GRADE_TIMEOUTS["count"] += 1
+            return 0.0
+
+
+_GRADER = _Grader()
+
+
+def _math_verify(pred: str, answer: str) -> float:
+    """math-verify's equivalence of pred and answer, bounded by GRADE_TIMEOUT wherever it runs: math-verify's own
+    timer on the main thread, a grading process of its own elsewhere (_Grader)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _GRADER(pred, answer)
+    import time
+    t0 = time.time()
+    score = _math_verify_here(pred, answer, max(1, math.ceil(GRADE_TIMEOUT)))   # signal.alarm: whole seconds
+    if time.time() - t0 >= GRADE_TIMEOUT:
+        GRADE_TIMEOUTS["count"] += 1
+    return score
 
 
 def grade(response: str, gold: dict) -> float:

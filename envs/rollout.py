@@ -18,7 +18,6 @@ every script gets its backend from make_backend.
 Command line, to look at a checkpoint's behaviour and speed on the tiny arena:
     python -m envs.rollout --ckpt runs/tiny/base --domains math,search,ecommerce,if --splits test,ood --n 100 --show 1
 """
-import argparse
 import os
 import sys
 import time
@@ -175,6 +174,8 @@ class HFBackend:
         greedy = temperature <= 0
         for step in range(max_new_tokens):
             logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), -1)     # (b, V)
+            if torch.isnan(logp).any():   # weights that diverged: say so, rather than fail in torch.multinomial
+                raise FloatingPointError("non-finite logits while sampling: the weights have diverged")
             nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1).squeeze(-1)  # (b,)
             nxt_lp = logp.gather(-1, nxt[:, None]).squeeze(-1)                                # (b,)
             done = torch.isin(nxt, stops)
@@ -484,7 +485,8 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
 
 
 def main():
-    p = argparse.ArgumentParser(description="Sample rollouts from a checkpoint: mean reward, metrics, tokens/s.")
+    from common import Parser, is_checkpoint, usage_exit
+    p = Parser(description="Sample rollouts from a checkpoint: mean reward, metrics, tokens/s.")
     p.add_argument("--ckpt", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--domains", default="math,search,ecommerce,if", help="comma-separated domains")
     p.add_argument("--splits", default="test,ood", help="comma-separated splits")
@@ -500,18 +502,26 @@ def main():
     from transformers import AutoTokenizer
 
     from envs import make_env, parse_domains
+    from envs.base import SPLITS
     try:
         domains = parse_domains(a.domains)
-        if not os.path.isdir(a.ckpt):
-            raise UsageError(f"checkpoint directory not found: {a.ckpt}")
+        splits = [x.strip() for x in a.splits.split(",") if x.strip()]
+        if not splits or any(x not in SPLITS for x in splits):
+            raise UsageError(f"--splits must be a comma-separated subset of {','.join(SPLITS)}, got {a.splits!r}")
+        if min(a.n, a.samples, a.batch, a.max_tokens, a.max_turn_tokens) < 1 or a.show < 0:
+            raise UsageError("need --n, --samples, --batch, --max-tokens, --max-turn-tokens >= 1 and --show >= 0")
+        if a.max_turn_tokens > a.max_tokens or not 0 <= a.temperature < float("inf"):
+            raise UsageError("need --max-turn-tokens <= --max-tokens and a finite --temperature >= 0")
+        if not is_checkpoint(a.ckpt):
+            raise UsageError(f"not a checkpoint directory (no config.json): {a.ckpt}")
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        usage_exit(e)
     tok = AutoTokenizer.from_pretrained(a.ckpt)
     backend, _ = make_backend("hf", tok, a.ckpt, gen_batch=a.batch)
     print("| domain | split | reward | metrics | episodes | sampled tok/s |\n|---|---|---|---|---|---|")
     for d in domains:
         env = make_env(d)
-        for split in a.splits.split(","):
+        for split in splits:
             tasks = env.tasks(split, n=a.n, seed=a.seed)
             t0 = time.time()
             eps = rollout(backend, tok, [(env, t) for t in tasks], a.samples, a.temperature,

@@ -62,7 +62,12 @@ SEARCH_TOOL = function_schema("search", "Search passages.", {"query": {"type": "
 TINY_SYSTEM = "Search QA: search, then reply <answer>X</answer>."
 FULL_SYSTEM = ("Answer the question. Call the search tool to look facts up; each call returns the top "
                "passages. When you know the answer, reply with <answer>a short answer</answer> and no tool call.")
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+def last_answer(text: str) -> str | None:
+    """The text of the last <answer>...</answer> (what a non-greedy regex's last match gives), found in linear time:
+    the last </answer>, then the nearest <answer> before it (a regex over a long unterminated text is quadratic)."""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    return text[start + len("<answer>"): end].strip() if start >= 0 else None
 MAX_CALLS = 3        # tool calls executed per turn; the rest get an error (keeps one turn's cost bounded)
 MAX_QUERY = 300      # characters of a query passed to the retriever
 
@@ -406,8 +411,8 @@ class SearchEnv(Env):
         calls, errors = parse_tool_calls(text)
         obs = [tool_message("search", f"error: {e}") for e in errors]
         for name, args in calls[:MAX_CALLS]:
-            if name != "search":
-                obs.append(tool_message(name, f"error: unknown tool {name!r}; the only tool is search"))
+            if name != "search":   # the model's name, cut: a 100k-character name must not become the observation
+                obs.append(tool_message(name[:40], f"error: unknown tool {name[:40]!r}; the only tool is search"))
             elif not isinstance(args.get("query"), str):
                 obs.append(tool_message(name, "error: search needs a string argument 'query'"))
             else:
@@ -416,8 +421,7 @@ class SearchEnv(Env):
         if len(calls) > MAX_CALLS:
             obs.append(tool_message("search", f"error: at most {MAX_CALLS} tool calls per turn"))
         if not obs:  # no tool call: this is the final turn, with or without an answer
-            answers = ANSWER_RE.findall(text)
-            state.info["answer"] = answers[-1].strip() if answers else None
+            state.info["answer"] = last_answer(text)
             state.done = True
         if state.turns >= self.max_turns:
             state.done = True

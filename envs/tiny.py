@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 
 import torch
@@ -303,8 +302,11 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write")
+    from common import Parser, check_output, usage_exit
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write (a new one, or a base "
+                                                          "this project built, with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it holds a base built here")
     p.add_argument("--steps", type=int, default=3000, help="pre-training steps")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the init")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size")
@@ -335,6 +337,10 @@ def main():
             raise UsageError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
         if a.drill_steps < 0 or a.drill_lr <= 0 or a.copy_docs < 0:
             raise UsageError("need --drill-steps >= 0, --drill-lr > 0, --copy-docs >= 0")
+        if a.batch_tokens < 1 or a.max_len < 64 or (a.threads is not None and a.threads < 1):
+            raise UsageError("need --batch-tokens >= 1, --max-len >= 64 and --threads >= 1")
+        if not (a.lr < float("inf") and a.drill_lr < float("inf")):
+            raise UsageError("--lr and --drill-lr must be finite")
         mix = None if a.mix is None else {}   # None: build_base's DEFAULT_MIX
         for item in filter(None, (a.mix or "").split(",")):
             group, _, w = item.partition("=")
@@ -342,8 +348,9 @@ def main():
                 raise UsageError(f"bad --mix item {item!r}: want group=weight > 0, group one of "
                                f"{', '.join(DOMAINS)}, generic, copy")
             mix[group.strip()] = float(w)
+        check_output(a.out, "base", overwrite=a.overwrite)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        usage_exit(e)
     build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
                domains, a.threads, a.loss_on, mix, a.copy_docs, a.drill_steps, a.drill_lr)
 

@@ -211,25 +211,27 @@ def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
     (["--suite", "full", "--source", "aime26"], "NAME=PATH_OR_ID"),
     (["--matrix"], "--matrix needs sequential stages"),
 ])
-def test_bad_input_stops_before_anything_is_written(micro, tmp_path, monkeypatch, args, message):
+def test_bad_input_stops_before_anything_is_written(micro, tmp_path, monkeypatch, capsys, args, message):
     model, tok = micro
     ckpt = tmp_path / "runs" / "tiny" / "base"
     save_checkpoint(str(ckpt), model, tok, {"method": "test"})
     monkeypatch.setattr(sys, "argv", ["evaluate.py", "--ckpt", str(ckpt), *args])
     with pytest.raises(SystemExit) as e:
         evaluate.main()
-    assert str(e.value.code).startswith("error: ") and message in str(e.value.code) and "\n" not in str(e.value.code)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("error: ") and message in err
     assert os.listdir(tmp_path / "runs" / "tiny") == ["base"]
 
 
-def test_cli_checkpoint_outside_runs_needs_out_dir(micro, tmp_path, monkeypatch):
+def test_cli_checkpoint_outside_runs_needs_out_dir(micro, tmp_path, monkeypatch, capsys):
     model, tok = micro
     save_checkpoint(str(tmp_path / "ck"), model, tok, {"method": "test"})
     (tmp_path / "notackpt").mkdir()
     for args, message in (([str(tmp_path / "ck")], "pass --out-dir"), ([str(tmp_path / "notackpt")], "no config.json")):
         monkeypatch.setattr(sys, "argv", ["evaluate.py", "--ckpt", *args])
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(SystemExit) as e:
             evaluate.main()
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the full suite on local fixtures
