@@ -46,3 +46,27 @@ def test_fsdp2_two_cpu_processes_match_one(tmp_path):
     assert a["state"].keys() == b["state"].keys()
     for k in a["state"]:
         assert torch.allclose(a["state"][k], b["state"][k], atol=1e-5), k
+
+
+def test_run_files_belong_to_one_recipe(tmp_path):
+    """check_run_files: a resume state saved with another recipe, a finished checkpoint of another recipe, and a
+    divergence marker are each refused with one line; the same recipe passes."""
+    out = str(tmp_path / "seq" / "1-math")
+    state, state_recipe, diverged = common.run_files(out)
+    os.makedirs(os.path.dirname(state))
+    open(state, "wb").close()
+    common.save_json(state_recipe, {"lr": 1.0})
+    common.check_run_files(out, {"lr": 1.0})
+    with pytest.raises(common.UsageError, match="was saved by a run with another recipe"):
+        common.check_run_files(out, {"lr": 2.0})
+    os.remove(state_recipe)   # a resume state without its recipe (an older writer) is not trusted either
+    with pytest.raises(common.UsageError, match="another recipe"):
+        common.check_run_files(out, {"lr": 1.0})
+    os.remove(state)
+    os.makedirs(out)
+    common.write_meta(out, {"method": "seq", "recipe": {"lr": 1.0}})
+    with pytest.raises(common.UsageError, match="was made with another recipe"):
+        common.check_run_files(out, {"lr": 2.0})
+    common.mark_diverged(out, "[seq/1-math] GRPO step 3: non-finite loss nan")
+    with pytest.raises(common.UsageError, match="diverged in an earlier run"):
+        common.check_run_files(out, {"lr": 1.0})

@@ -728,3 +728,19 @@ def test_v1_task_files_are_read_as_data_never_run(tmp_path):
 def test_no_eval_or_exec_in_the_environment():
     src = open(os.path.join(os.path.dirname(__file__), "..", "envs", "ecommerce.py")).read()
     assert "eval(" not in src and "exec(" not in src and "import_module" not in src
+
+
+def test_the_user_key_goes_only_where_it_is_named(tmp_path, fake_user, monkeypatch, capsys):
+    """No key variable named: no Authorization header, even with OPENAI_API_KEY set; a named variable that is not
+    set is refused; a key over plain http to another machine is warned about."""
+    user = fake_user(["Hi, I want to exchange my keyboard. I am Yusuf Rossi, 19122.", "###STOP###"])
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    env = EcommerceEnv(data=write_v1(tmp_path / "v1"), user_url=user.url, user_model="sim")
+    env.reset(env.tasks("test")[0])
+    assert user.requests and all(not req["auth"] for req in user.requests)
+    with pytest.raises(UsageError, match="NOT_SET_KEY is not set"):
+        EcommerceEnv(data=write_v1(tmp_path / "v2"), user_url=user.url, user_api_key_env="NOT_SET_KEY")
+    EcommerceEnv(data=write_v1(tmp_path / "v3"), user_url="http://10.1.2.3:8000/v1", user_api_key_env="OPENAI_API_KEY")
+    assert "goes to 10.1.2.3 over plain http" in capsys.readouterr().err
+    EcommerceEnv(data=write_v1(tmp_path / "v4"), user_url=user.url, user_api_key_env="OPENAI_API_KEY")
+    assert "plain http" not in capsys.readouterr().err   # the loopback address: no warning

@@ -188,6 +188,9 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     assert "seq-1-math <- inrun/seq-1-math.json (n=4)" in r.stdout
     m = json.loads((ev / "seq_matrix.json").read_text())
     assert m["rows"] == ["base", "seq-1-math", "seq-2-if"] and m["sources"]["seq-2-if"] == "this run"
+    # rows made with other settings are named with the difference, never mixed silently
+    r = run_cli("--ckpt", str(runs / "seq/2-if"), *FAST, "--seeds", "2")
+    assert r.returncode == 0 and "seq-1-math <- inrun/seq-1-math.json (n=4, other settings: seeds 1 here 2)" in r.stdout
     # --out-dir overrides runs/<preset>/eval
     r = run_cli("--ckpt", str(runs / "base"), *FAST, "--out-dir", str(tmp_path / "elsewhere"))
     assert r.returncode == 0 and os.listdir(tmp_path / "elsewhere") == ["base.json"]

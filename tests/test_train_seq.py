@@ -3,6 +3,7 @@ sequential run end to end on a micro checkpoint (resume, skip finished stages, b
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -157,12 +158,20 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     assert os.path.isfile(os.path.join(runs, "seq", ".resume-2-search.pt"))
     assert not os.path.exists(os.path.join(runs, "seq", "2-search"))
     assert os.path.isfile(os.path.join(runs, "eval", "inrun", "seq-1-math.json"))
+    # the kill left a resume state with its recipe; what killed writes leave is removed at the next start
+    assert os.path.isfile(os.path.join(runs, "seq", ".resume-2-search.json"))
+    os.makedirs(os.path.join(runs, "seq", ".tmp-2-search-123-456"))
+    open(os.path.join(runs, "seq", ".resume-2-search.pt.tmp-123"), "w").close()
+    # restarted with another recipe for the killed stage only: its resume state is refused, before any work
+    r = run_cli([*args, "--steps", "math=2,search=3"])
+    assert r.returncode == 2 and "2-search" in r.stderr and "another recipe" in r.stderr
     # the same command again: skips stage 1, reuses the RFT checkpoint, resumes GRPO at step 1
     r = run_cli(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[seq/1-math] finished before, skipping" in r.stdout
     assert "rft: done before" in r.stdout
     assert "resumed at step 1" in r.stdout
+    assert r.stdout.count("left by a killed run") == 2 and not [f for f in os.listdir(os.path.join(runs, "seq")) if "tmp" in f]
     meta = json.load(open(os.path.join(runs, "seq", "2-search", "acl_meta.json")))
     assert meta["stage"] == "search" and meta["curriculum_position"] == 2 and meta["method"] == "seq"
     assert meta["parent"] == os.path.abspath(os.path.join(runs, "seq", "1-math"))
@@ -177,7 +186,14 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     r = run_cli(args)
     assert r.returncode == 0 and r.stdout.count("finished before, skipping") == 2
     r = run_cli(args + ["--lr", "1e-2"])
-    assert r.returncode != 0 and "another recipe" in r.stderr
+    assert r.returncode == 2 and "another recipe" in r.stderr
+    # another curriculum before a finished stage, or another base: the stage's lineage differs, refused
+    r = run_cli([*args[:4], "--curriculum", "if,search", *args[6:]])
+    assert r.returncode == 2 and "2-search was made with another recipe or from another parent" in r.stderr
+    other = os.path.join(os.path.dirname(micro_base), "base-copy")
+    shutil.copytree(micro_base, other)
+    r = run_cli(["--init", other, *args[2:]])
+    assert r.returncode == 2 and "1-math was made with another recipe or from another parent" in r.stderr
 
 
 def test_oracle_writes_oracle_dirs(micro_base, tmp_path):
@@ -204,6 +220,58 @@ def test_bad_input_stops_before_writing(micro_base, tmp_path, bad, msg):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], r.stderr
     assert not os.path.exists(runs)
+
+
+def test_bad_data_for_the_last_stage_refuses_before_the_first_trains(micro_base, tmp_path):
+    runs = str(tmp_path / "runs")
+    r = run_cli(["--init", micro_base, "--runs", runs, "--curriculum", "math,if", *FAST, "--if-data",
+                 str(tmp_path / "missing.jsonl")])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "if: " in r.stderr
+    assert not os.path.exists(os.path.join(runs, "seq"))
+    bad = tmp_path / "if.jsonl"   # an instruction id with no checker
+    bad.write_text(json.dumps({"key": 1, "prompt": "Write.", "instruction_id_list": ["x:no_such_check"],
+                               "kwargs": [{}]}) + "\n")
+    r = run_cli(["--init", micro_base, "--runs", runs, "--curriculum", "math,if", *FAST, "--if-data", str(bad)])
+    assert r.returncode == 2 and "no_such_check" in r.stderr and not os.path.exists(os.path.join(runs, "seq"))
+    r = run_cli(["--init", micro_base, "--runs", runs, "--curriculum", "math", *FAST, "--lr", "-1e-3"])
+    assert r.returncode == 2 and r.stderr.strip() == "error: --lr must be > 0"
+
+
+def test_divergence_stops_saves_nothing_nonfinite_and_is_not_continued(micro_base, tmp_path, monkeypatch):
+    """A huge learning rate (the micro base earns no reward, so every sample gets a made-up advantage of +-1)."""
+    from safetensors.torch import load_file
+    runs = str(tmp_path / "runs")
+    args = ["--init", micro_base, "--runs", runs, "--curriculum", "math", *FAST, "--steps", "4", "--lr", "1e30"]
+    monkeypatch.setattr(train_seq, "group_advantages",
+                        lambda eps, drop_flat=True: ({i: (-1.0) ** i for i in range(len(eps))}, set()))
+    with pytest.raises(SystemExit) as e:
+        train_seq.main(args)
+    msg = str(e.value.code)
+    assert msg.startswith("error: [seq/1-math] GRPO step ") and "non-finite" in msg and "\n" not in msg
+    for d, _, files in os.walk(runs):   # nothing non-finite on disk: resume states and checkpoints
+        for f in files:
+            p = os.path.join(d, f)
+            tensors = load_file(p).values() if f.endswith(".safetensors") else \
+                torch.load(p, weights_only=True)["model"].values() if f.endswith(".pt") else []
+            assert all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()), p
+    r = run_cli(args)
+    assert r.returncode == 2 and "diverged in an earlier run" in r.stderr
+
+
+def test_a_kill_during_the_inrun_evaluation_is_redone_on_restart(micro_base, tmp_path, monkeypatch):
+    runs = str(tmp_path / "runs")
+    args = ["--init", micro_base, "--runs", runs, "--curriculum", "if", *FAST]
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_seq, "evaluate_inrun", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_seq.main(args)
+    assert os.path.isfile(os.path.join(runs, "seq", "1-if", "acl_meta.json"))
+    assert not os.path.exists(os.path.join(runs, "eval", "inrun", "seq-1-if.json"))
+    r = run_cli(args)
+    assert r.returncode == 0 and "finished before" in r.stdout and "evaluating it now" in r.stdout
+    assert os.path.isfile(os.path.join(runs, "eval", "inrun", "seq-1-if.json"))
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, monkeypatch, capsys):

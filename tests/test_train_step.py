@@ -167,3 +167,16 @@ def test_episode_logprobs_with_uneven_ranks_under_torchrun(tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     for k in a["state"]:
         torch.testing.assert_close(b["state"][k], a["state"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_prompts_of_a_step_do_not_depend_on_the_world_size():
+    """What a torchrun run shares with a 1-process run (README): each step's global batch of prompts, in the same
+    order; each rank samples its slice with a seed of its own, so the samples (and the run) differ."""
+    def step_prompts(world):
+        cursor = train_step.Cursor(100, seed=3)
+        out = []
+        for _ in range(5):
+            batch = cursor.take(16)
+            out.append(sorted(j for r in range(world) for j in batch[r::world]))
+        return out
+    assert step_prompts(1) == step_prompts(2) == step_prompts(4)

@@ -1,0 +1,207 @@
+"""Nothing lost, nothing half-done: every script that writes refuses a dangerous target before any work, with the
+disk unchanged; bad values stop with one line and exit status 2 before a model is loaded; the environments are
+bounded in time and output on what a model writes."""
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import analyze
+import evaluate
+import merge
+from common import Parser, save_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def snapshot(root) -> dict:
+    """{relative path: (size, mtime_ns)} of every file and directory under root: 'nothing changed on disk'."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_size if name in files else 0, st.st_mtime_ns)
+    return out
+
+
+def refused(fn, capsys, message):
+    """fn() stops with exit status 2 and one line on stderr that contains `message`."""
+    with pytest.raises(SystemExit) as e:
+        fn()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+@pytest.fixture
+def tree(micro, tmp_path, monkeypatch):
+    """A run directory with a base, two stages, an older merge, a foreign directory and a file; cwd = tmp_path."""
+    model, tok = micro
+    runs = tmp_path / "runs"
+    for name, method in (("base", "base"), ("s1", "seq"), ("s2", "seq"), ("merge/old", "merge")):
+        save_checkpoint(str(runs / name), model, tok, {"method": method})
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("weeks of work")
+    (tmp_path / "notes.txt").write_text("do not lose")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("out, message", [
+    (".", "current directory"), ("..", "current directory"), ("runs/base", "an input"), ("runs/s1", "an input"),
+    ("runs", "an input"), ("notes.txt", "a file"), ("mine", "did not write"), ("runs/merge/old", "--overwrite"),
+])
+def test_merge_out_is_refused_with_nothing_changed(tree, capsys, out, message):
+    before = snapshot(tree)
+    args = ["--base", "runs/base", "--models", "runs/s1", "runs/s2", "--weights", "0.5", "0.5", "--out", out]
+    refused(lambda: merge.main(args), capsys, message)
+    assert snapshot(tree) == before
+
+
+def test_merge_replaces_its_own_older_output_only_with_overwrite(tree, capsys):
+    args = ["--base", "runs/base", "--models", "runs/s1", "runs/s2", "--weights", "0.5", "0.5", "--out", "runs/merge/old"]
+    merge.main(args + ["--overwrite"])
+    assert "merged 2 models" in capsys.readouterr().out
+    before = snapshot(tree)   # a seq checkpoint is another kind: never replaced, --overwrite or not
+    refused(lambda: merge.main(args[:-1] + ["runs/s2", "--overwrite"]), capsys, "an input")
+    save_checkpoint(str(tree / "runs" / "other"), *_micro_pair(), {"method": "seq"})
+    capsys.readouterr()
+    before = snapshot(tree)
+    refused(lambda: merge.main(args[:-1] + ["runs/other", "--overwrite"]), capsys, "not a 'merge' one")
+    assert snapshot(tree) == before
+
+
+def _micro_pair():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, head_dim=8, intermediate_size=32)), None
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--weights", "nan", "0.5"], "finite"), (["--weights", "0.5", "0.5", "--shard-gb", "0"], "--shard-gb"),
+    (["--weights", "0.5", "0.5", "--threads", "-1"], "--threads"),
+])
+def test_merge_bad_values(tree, capsys, bad, message):
+    before = snapshot(tree)
+    refused(lambda: merge.main(["--base", "runs/base", "--models", "runs/s1", "runs/s2", *bad, "--out", "runs/m"]),
+            capsys, message)
+    assert snapshot(tree) == before
+
+
+@pytest.mark.parametrize("out, message", [
+    (".", "current directory"), ("notes.txt", "a file"), ("mine", "did not write"), ("runs/s1", "not a 'base' one"),
+    ("runs/base", "--overwrite"),
+])
+def test_tiny_base_out_is_refused_before_the_build(tree, capsys, monkeypatch, out, message):
+    import envs.tiny
+    before = snapshot(tree)
+    monkeypatch.setattr(sys, "argv", ["envs.tiny", "--out", out])
+    t0 = time.time()
+    refused(envs.tiny.main, capsys, message)
+    assert time.time() - t0 < 5 and snapshot(tree) == before
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--batch-tokens", "0"], "--batch-tokens"), (["--max-len", "0"], "--max-len"), (["--threads", "-1"], "--threads"),
+    (["--lr", "-1e-3"], "--lr > 0"),
+])
+def test_tiny_base_bad_values_before_the_build(tree, capsys, monkeypatch, bad, message):
+    import envs.tiny
+    monkeypatch.setattr(sys, "argv", ["envs.tiny", "--out", "runs/new", *bad])
+    t0 = time.time()
+    refused(envs.tiny.main, capsys, message)
+    assert time.time() - t0 < 5 and not (tree / "runs" / "new").exists()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--out-dir", "notes.txt"], "a file"), (["--out-dir", "."], "current directory"),
+    (["--max-tokens", "100", "--max-turn-tokens", "200"], "must not exceed"), (["--n", "0"], "--n must be >= 1"),
+    (["--threads", "-1"], "--threads"),
+])
+def test_evaluate_refuses_before_any_rollout(tree, capsys, monkeypatch, bad, message):
+    before = snapshot(tree)
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "--ckpt", "runs/s1", *bad])
+    refused(evaluate.main, capsys, message)
+    assert snapshot(tree) == before
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--out", "notes.txt"], "a file"), (["--entropy-threshold", "-1"], "--entropy-threshold"),
+    (["--n", "0"], "--n"), (["--threads", "-1"], "--threads"), (["--domain", "maths"], "not a domain"),
+])
+def test_analyze_refuses_before_any_work(tree, capsys, bad, message):
+    before = snapshot(tree)
+    args = ["--base", "runs/base", "--ckpts", "runs/s1", "runs/s2", "--ref", "runs/s1", "--out", "runs/an", "--domain",
+            "math", *bad]
+    refused(lambda: analyze.main(args), capsys, message)
+    assert snapshot(tree) == before
+
+
+def test_analyze_domain_flag_wins_over_the_reference_metadata(tree):
+    from common import write_meta
+    write_meta(str(tree / "runs" / "s1"), {"method": "seq", "stage": "math"})
+    a = analyze.parse_args(["--base", "runs/base", "--ckpts", "runs/s1", "runs/s2", "--ref", "runs/s1", "--domain", "if",
+                            "--out", "runs/an"])
+    assert a.domain == "if"
+    a = analyze.parse_args(["--base", "runs/base", "--ckpts", "runs/s1", "runs/s2", "--ref", "runs/s1", "--out", "runs/an"])
+    assert a.domain == "math"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--splits", "tset"], "--splits"), (["--n", "-1"], "--n"), (["--samples", "0"], "--samples"),
+    (["--batch", "0"], "--batch"), (["--max-tokens", "10", "--max-turn-tokens", "20"], "--max-turn-tokens"),
+])
+def test_rollout_cli_bad_values(tree, capsys, monkeypatch, bad, message):
+    import envs.rollout
+    monkeypatch.setattr(sys, "argv", ["envs.rollout", "--ckpt", "runs/s1", *bad])
+    refused(envs.rollout.main, capsys, message)
+
+
+def test_a_negative_number_after_a_flag_is_its_value(capsys):
+    p = Parser()
+    p.add_argument("--lr", type=float)
+    p.add_argument("--weights", nargs="+", type=float)
+    assert p.parse_args(["--lr", "-1e-3", "--weights", "0.5", "-2"]).lr == -1e-3
+    assert p.parse_args(["--lr", "-.5"]).lr == -0.5
+    refused(lambda: p.parse_args(["--nope"]), capsys, "unrecognized arguments")
+
+
+# ----------------------------------------------------------------------------- environments, bounded
+
+def test_search_answer_extraction_is_linear():
+    from envs.search import last_answer
+    assert last_answer("x <answer>a</answer> y <answer> b </answer>") == "b"
+    assert last_answer("<answer>no end") is None and last_answer("no answer</answer>") is None
+    text = "<answer>" * 12500 + "x" * 100
+    t0 = time.time()
+    assert last_answer(text) is None and last_answer(text + "</answer>") == "x" * 100
+    assert time.time() - t0 < 0.05
+
+
+def test_a_huge_tool_name_gives_a_short_observation():
+    from envs import make_env
+    from envs.base import tool_call_text
+    for domain in ("search", "ecommerce"):
+        env = make_env(domain)
+        state = env.reset(env.tasks("test", n=1)[0])
+        obs = env.step(state, tool_call_text("x" * 100_000, {}))
+        assert obs and all(len(m["content"]) < 500 and len(m.get("name", "")) <= 64 for m in obs), domain
+
+
+def test_math_grading_is_bounded_off_the_main_thread(monkeypatch):
+    """A pathological answer (math-verify takes ~35 s on it) graded in a worker thread, where math-verify's own timer
+    cannot run: scored 0 within the time limit, counted; the next grade works."""
+    import envs.math as M
+    monkeypatch.setattr(M, "GRADE_TIMEOUT", 1)
+    gold = {"kind": "math_verify", "answer": "3"}
+    before, out = M.GRADE_TIMEOUTS["count"], []
+    t0 = time.time()
+    th = threading.Thread(target=lambda: out.extend([M.grade("\\boxed{2^{2^{2^{5}}}}", gold),
+                                                     M.grade("\\boxed{3}", gold)]))
+    th.start()
+    th.join(60)
+    assert out == [0.0, 1.0] and M.GRADE_TIMEOUTS["count"] == before + 1 and time.time() - t0 < 20
