@@ -35,6 +35,7 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 
 import torch
@@ -511,7 +512,10 @@ def main():
                                max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
                                tasks=r["tasks"], label=f"[{name}] ")
         record["settings"] = settings
-        save_results(out, record)
+        try:
+            save_results(out, record)
+        except OSError as e:
+            sys.exit(f"error: writing {out} failed: {e}")
         print0(f"saved {out} ({record['wall_s']:.0f}s)")
         named[name] = record
     print0("\n" + markdown_table(named))

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -319,8 +320,11 @@ def main(argv=None):
     meta = dict(seed=a.seed, config=config, search=a.search, weights=weights, curriculum_position=None, step=None,
                 candidates=[dict(weights=list(w), scores=s, objective=o) for w, s, o in tried] if tried else None,
                 oracle_val=oracle)
-    out = write_merge(a.base, a.models, weights, a.method, a.out, a.density, a.seed, meta,
-                      int(a.shard_gb * 1024 ** 3), a.files)
+    try:
+        out = write_merge(a.base, a.models, weights, a.method, a.out, a.density, a.seed, meta,
+                          int(a.shard_gb * 1024 ** 3), a.files)
+    except OSError as e:   # a full disk, a lost mount: one line; write_atomically has removed its partial directory
+        sys.exit(f"error: writing {a.out} failed: {e}")
     print(f"merged {len(a.models)} models ({a.method}, lambda {' '.join(f'{w:.3f}' for w in weights)}) -> {out} "
           f"in {time.time() - t0:.1f}s", flush=True)
 

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 
 import torch
@@ -351,8 +352,11 @@ def main():
         check_output(a.out, "base", overwrite=a.overwrite)
     except UsageError as e:
         usage_exit(e)
-    build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
-               domains, a.threads, a.loss_on, mix, a.copy_docs, a.drill_steps, a.drill_lr)
+    try:
+        build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
+                   domains, a.threads, a.loss_on, mix, a.copy_docs, a.drill_steps, a.drill_lr)
+    except OSError as e:   # write_atomically has removed its partial directory
+        sys.exit(f"error: writing {a.out} failed: {e}")
 
 
 if __name__ == "__main__":

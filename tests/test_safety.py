@@ -18,13 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def snapshot(root) -> dict:
-    """{relative path: (size, mtime_ns)} of every file and directory under root: 'nothing changed on disk'."""
+    """{relative path: (size, mtime_ns)} of every file, and every directory's path, under root: 'nothing changed on
+    disk' (a directory's own mtime is left out: a temporary entry made and removed inside it moves it)."""
     out = {}
     for d, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = os.path.join(d, name)
-            st = os.lstat(p)
-            out[os.path.relpath(p, root)] = (st.st_size if name in files else 0, st.st_mtime_ns)
+        for name in dirs:
+            out[os.path.relpath(os.path.join(d, name), root)] = "dir"
+        for name in files:
+            st = os.lstat(os.path.join(d, name))
+            out[os.path.relpath(os.path.join(d, name), root)] = (st.st_size, st.st_mtime_ns)
     return out
 
 
@@ -205,3 +207,16 @@ def test_math_grading_is_bounded_off_the_main_thread(monkeypatch):
     th.start()
     th.join(60)
     assert out == [0.0, 1.0] and M.GRADE_TIMEOUTS["count"] == before + 1 and time.time() - t0 < 20
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tree, capsys, monkeypatch):
+    def full(base, models, weights, method, out_dir, *a):
+        with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
+            f.write(b"x" * 1000)   # half a file, then the disk is full
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(merge, "stream_merge", full)
+    before = snapshot(tree)
+    with pytest.raises(SystemExit) as e:
+        merge.main(["--base", "runs/base", "--models", "runs/s1", "runs/s2", "--weights", "0.5", "0.5", "--out", "runs/m"])
+    assert str(e.value.code).startswith("error: writing runs/m failed: [Errno 28] No space left on device")
+    assert snapshot(tree) == before   # the temporary directory went with the failure
