@@ -67,7 +67,7 @@ FULL_BENCHMARKS = {"aime26": "math", "gpqa_diamond": "math", "mmlu_redux": "math
 DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark samples once per task
 # The in-domain benchmark of each domain: the accuracy matrix's columns (tiny: `<domain>/test`).
 FULL_IN_DOMAIN = {"math": "aime26", "search": "nq", "ecommerce": "tau_retail", "if": "ifeval"}
-STAGE_RE = re.compile(r"^seq-(\d+)-(.+)$")  # eval name of a sequential stage: seq-<i>-<domain>
+STAGE_RE = re.compile(r"^seq-(\d+)-(\w+)$")  # a sequential stage: seq-<i>-<domain> (seq-<i>-<domain>-rft is not one)
 
 
 # ----------------------------------------------------------------------------- benchmarks

@@ -292,3 +292,11 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
         evaluate.load_benchmarks("full", benchmarks=["tau_ood"], env_opts=env_opts)
     with pytest.raises(UsageError, match="unknown full-suite benchmark 'aime25'"):
         evaluate.load_benchmarks("full", sources={"aime25": "x"})
+
+
+def test_an_rft_checkpoint_is_not_a_stage_of_the_matrix():
+    """runs/<preset>/seq/[0-9]-* matches the RFT checkpoints too (seq/2-search-rft): evaluated, but not matrix rows."""
+    stages = evaluate._stages(["base", "seq-1-math", "seq-2-search-rft", "seq-2-search"], "--ckpt")
+    assert [s[1] for s in stages] == ["seq-1-math", "seq-2-search"]
+    with pytest.raises(UsageError, match="maths"):
+        evaluate._stages(["seq-1-maths"], "--ckpt")
