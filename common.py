@@ -256,8 +256,13 @@ def is_checkpoint(path: str) -> bool:
 def run_files(out: str) -> tuple:
     """(resume state, its recipe, divergence marker) of the checkpoint directory `out`."""
     d, b = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
-    return (os.path.join(d, f".resume-{b}.pt"), os.path.join(d, f".resume-{b}.json"),
-            os.path.join(d, f".diverged-{b}.json"))
+    state = os.path.join(d, f".resume-{b}.pt")
+    return state, recipe_file(state), os.path.join(d, f".diverged-{b}.json")
+
+
+def recipe_file(state: str) -> str:
+    """Where the recipe of the resume state `state` is kept: .resume-OUT.pt -> .resume-OUT.json."""
+    return (state[: -len(".pt")] if state.endswith(".pt") else state) + ".json"
 
 
 def check_run_files(out: str, recipe: dict, also=()):
@@ -309,7 +314,7 @@ def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = N
     msd, osd = get_state_dict(model, opt, options=opts)
     if rank() == 0:
         if recipe is not None:
-            save_json(path[: -len(".pt")] + ".json" if path.endswith(".pt") else path + ".json", recipe)
+            save_json(recipe_file(path), recipe)
         name, keys, pos, has_gauss, gauss = np.random.get_state()
         # only tensors and plain Python values, so that it loads with torch.load(weights_only=True)
         state = dict(model=msd, optim=osd, extra=extra, torch_rng=torch.get_rng_state(), py_rng=random.getstate(),

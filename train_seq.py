@@ -284,6 +284,12 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
             save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos), recipe=recipe(a, domain))
 
 
+def stage_backend(a, tok, path, policy, device):
+    """envs.rollout.make_backend with this run's scale flags: (backend, engine model) for `policy` loaded from path."""
+    return make_backend(a.backend, tok, path, policy=policy, device=device, gen_batch=a.gen_batch, bf16=a.bf16,
+                        gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed, attn=a.attn)
+
+
 def run_stage(i, domain, parent, a, device, env):
     """RFT (agentic domains) + GRPO + save + evaluate; returns the stage's checkpoint directory."""
     out = stage_dir(a, i, domain)
@@ -302,9 +308,7 @@ def run_stage(i, domain, parent, a, device, env):
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     if ref_model is not None:
         ref_model = shard(ref_model, bf16=a.bf16, cpu_offload=a.cpu_offload)
-    backend, engine = make_backend(a.backend, tok, start, policy=policy, device=device, gen_batch=a.gen_batch,
-                                   bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed,
-                                   attn=a.attn)
+    backend, engine = stage_backend(a, tok, start, policy, device)
     n_rft, t_rft = None, 0.0
     if rft_done:
         print0(f"[{name}] rft: done before, loaded {rft_dir}")
@@ -430,9 +434,7 @@ def check_args(a):
 def evaluate_finished(out, a, device):
     """The in-run evaluation of a finished stage whose record is missing (a run killed while it evaluated)."""
     policy, tok = load_policy(out, device, a.attn)
-    backend, engine = make_backend(a.backend, tok, out, policy=policy, device=device, gen_batch=a.gen_batch,
-                                   bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed,
-                                   attn=a.attn)
+    backend, engine = stage_backend(a, tok, out, policy, device)
     evaluate_stage(engine if engine is not None else policy, tok, out, a, read_meta(out).get("seconds", 0.0),
                    backend=backend if a.backend == "vllm" else None)
 
