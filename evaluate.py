@@ -32,6 +32,7 @@ Differences from the paper / notes:
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -42,6 +43,7 @@ import torch
 
 from common import (
     Parser,
+    check_output,
     check_writable,
     code_revision,
     is_checkpoint,
@@ -52,7 +54,7 @@ from common import (
 )
 from envs import DOMAINS, UsageError, add_data_flags, env_options, make_env, parse_domains
 from envs.base import SPLITS
-from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, HFBackend, make_backend, rollout
+from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, HFBackend, episode_record, make_backend, rollout
 
 SUITES = ("tiny", "full")
 # Per-suite defaults: tasks per benchmark (None = all), token limits per episode and per assistant turn.
@@ -129,9 +131,9 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
 
 def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, seeds=1, k=None,
                    temperature=1.0, batch=64, max_tokens=None, max_turn_tokens=None, env_opts=None, backend=None,
-                   sources=None, benchmarks=None, tasks=None, label="") -> dict:
+                   sources=None, benchmarks=None, tasks=None, label="", gold=True, episodes=None) -> dict:
     """Score an in-memory model on a suite: {benchmark: {mean, std, n, k, seeds, per_seed, metrics,
-    response_tokens (policy-sampled tokens per episode), wall_s}}.
+    response_tokens (policy-sampled tokens per episode), wall_s, task_ids, per_task, gold}}.
 
     seeds: a count (sampling seeds 0..seeds-1) or a list of seeds; each seed is one pass over every benchmark,
         whose score is the mean reward over n tasks x k samples. mean/std are over seeds (std: sample standard
@@ -141,6 +143,11 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
         suite, domains, splits, n, env_opts, sources and benchmarks (see load_benchmarks).
     backend: any rollout backend (default: HFBackend(model, tok, batch)); model may then be None. The sampled
         stream depends on the batch size too (batches are sampled together), so compare runs at the same batch.
+    per_task: each task's mean reward over seeds and samples, in task_ids' order: two checkpoints evaluated with
+        the same tasks and seeds are compared task by task (paired_difference).
+    gold: also score the model teacher-forced on the scripted expert's episodes of the same tasks (gold_likelihood;
+        tasks with an expert only, and only with the model in memory); deterministic, seconds.
+    episodes: a dict to collect every scored episode into, {benchmark: [envs.rollout.episode_record, ...]}.
     The model is put in eval mode and its training mode restored; the global torch RNG is restored too, so
     evaluating in the middle of training does not change the training's random stream."""
     defaults = SUITE_DEFAULTS[suite] if suite in SUITES else {}
@@ -160,11 +167,16 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
             for name, (env, items) in tasks.items():
                 kk = k or DEFAULT_K.get(name, 1)
                 per_seed, per_seed_metrics, lengths, t0 = [], [], [], time.time()
+                per_task = [0.0] * len(items)
                 for s in seed_list:
                     t1 = time.time()
                     eps = rollout(backend, tok, [(env, t) for t in items], kk, temperature, max_tokens=max_tokens,
                                   max_turn_tokens=max_turn_tokens, seed=s)
                     dt = time.time() - t1
+                    for i, e in enumerate(eps):   # items x samples order: episode i is task i // kk's
+                        per_task[i // kk] += e.reward / (kk * len(seed_list))
+                    if episodes is not None:
+                        episodes.setdefault(name, []).extend(episode_record(e, items[i // kk]) for i, e in enumerate(eps))
                     per_seed.append(sum(e.reward for e in eps) / len(eps))
                     lengths.append(sum(e.n_sampled for e in eps) / len(eps))
                     keys = sorted({m for e in eps for m in e.metrics})
@@ -176,11 +188,51 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "mean": statistics.mean(per_seed), "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
                     "n": len(items), "k": kk, "seeds": len(seed_list), "per_seed": per_seed,
                     "metrics": {m: statistics.mean(ms.get(m, 0.0) for ms in per_seed_metrics) for m in keys},
-                    "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1)}
+                    "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1),
+                    "task_ids": [t.id for t in items], "per_task": per_task}
+                if gold and model is not None:
+                    ctx = getattr(model.config, "max_position_embeddings", None) or max_tokens   # the expert is never cut
+                    g = gold_likelihood(model, tok, env, items, max_tokens=ctx, max_turn_tokens=ctx)
+                    if g:
+                        results[name]["gold"] = g
+                        print0(f"{label}{name} gold: log-lik {g['loglik']:.3f}/token, top-1 {g['top1']:.3f} "
+                               f"({g['n']} expert episodes, {g['tokens']} agent tokens)")
     finally:
         if model is not None:
             model.train(was_training)
     return results
+
+
+@torch.no_grad()
+def gold_likelihood(model, tok, env, tasks, *, batch: int = 16, max_tokens=MAX_TOKENS, max_turn_tokens=MAX_TURN_TOKENS):
+    """The dense metric: the model teacher-forced on the scripted expert's clean episodes of `tasks`
+    (envs.rollout.expert_episodes), on the expert's (agent) tokens only. Per task: the mean log-likelihood per
+    agent token and the fraction of agent tokens that are the model's top-1 prediction; the benchmark's values
+    are their means over tasks. Deterministic: no sampling. None when no task has an expert (real data).
+    -> {loglik, top1, n, tokens, expert_reward, task_ids, per_task_loglik, per_task_top1}"""
+    from envs.rollout import expert_episodes
+    from train_step import micro_batches, pack, pad_id
+    eps = expert_episodes(tok, env, tasks, max_tokens=max_tokens, max_turn_tokens=max_turn_tokens)
+    if not eps:
+        return None
+    dev = next(model.parameters()).device
+    lls, tops = [0.0] * len(eps), [0.0] * len(eps)
+    for idx in micro_batches(eps, batch):
+        b = pack([eps[i] for i in idx], pad_id(model))
+        ids = torch.cat([b["p_ids"][b["rows"]], b["c_ids"]], 1).to(dev)        # (B, Tp + Tc), prompts left-padded
+        attn = torch.cat([b["p_attn"][b["rows"]], b["c_attn"]], 1).to(dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        Tc = b["c_ids"].size(1)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=Tc + 1).logits[:, :-1]
+        logits, target, mask = logits.float(), b["c_ids"].to(dev), b["mask"].to(dev)    # (B, Tc, V), (B, Tc)
+        logp = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]   # log p(expert token)
+        top1 = (logits.argmax(-1) == target).float()
+        n = mask.sum(1).clamp(min=1)
+        for i, ll, t in zip(idx, ((logp * mask).sum(1) / n).tolist(), ((top1 * mask).sum(1) / n).tolist()):
+            lls[i], tops[i] = ll, t
+    return {"loglik": statistics.mean(lls), "top1": statistics.mean(tops), "n": len(eps),
+            "tokens": sum(e.n_sampled for e in eps), "expert_reward": statistics.mean(e.reward for e in eps),
+            "task_ids": [e.task_id for e in eps], "per_task_loglik": lls, "per_task_top1": tops}
 
 
 def evaluate_ckpt(path, suite="tiny", backend_name="hf", **kwargs) -> dict:
@@ -273,64 +325,124 @@ def markdown_table(named_results) -> str:
     return "\n".join(lines)
 
 
-def domain_score(results, domain):
-    """A domain's in-domain score in results: `<domain>/test` (tiny) or its FULL_IN_DOMAIN benchmark; None if absent."""
+def domain_cell(results, domain, metric: str = "score"):
+    """A domain's in-domain value in results, `<domain>/test` (tiny) or its FULL_IN_DOMAIN benchmark, as
+    (mean, {task id: per-task value} or None); (None, None) if absent. metric: "score" (the sampled score) or
+    "gold" (the mean gold log-likelihood per agent token, gold_likelihood)."""
     b = _benchmarks(results or {})
     for key in (f"{domain}/test", FULL_IN_DOMAIN.get(domain)):
         if key in b:
-            return b[key]["mean"]
-    return None
+            r = b[key]
+            if metric == "gold":
+                g = r.get("gold")
+                return (g["loglik"], dict(zip(g["task_ids"], g["per_task_loglik"]))) if g else (None, None)
+            per = dict(zip(r["task_ids"], r["per_task"])) if r.get("per_task") and r.get("task_ids") else None
+            return r["mean"], per
+    return None, None
 
 
-def _mean(values):
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+def domain_score(results, domain):
+    """A domain's in-domain sampled score in results (domain_cell); None if absent."""
+    return domain_cell(results, domain)[0]
 
 
-def accuracy_matrix(stage_results, base_results, domains) -> dict:
+def _se(values):
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
+def paired_difference(x, y):
+    """y - x for two domain_cell values of the same benchmark, paired: per task (the same tasks, and for sampled
+    scores the same sampling seeds), then the mean and its standard error over tasks.
+    -> (difference, standard error); the SE is None without per-task values on the same tasks."""
+    if x[0] is None or y[0] is None:
+        return None, None
+    if x[1] and y[1] and set(x[1]) == set(y[1]):
+        d = [y[1][t] - x[1][t] for t in x[1]]
+        return statistics.mean(d), _se(d)
+    return y[0] - x[0], None
+
+
+def _mean_se(pairs):
+    """Mean of independent differences [(d, se)] and its SE (None if any SE is unknown)."""
+    pairs = [p for p in pairs if p[0] is not None]
+    if not pairs:
+        return None, None
+    se = None if any(p[1] is None for p in pairs) else math.sqrt(sum(p[1] ** 2 for p in pairs)) / len(pairs)
+    return sum(p[0] for p in pairs) / len(pairs), se
+
+
+def accuracy_matrix(stage_results, base_results, domains, metric: str = "score") -> dict:
     """The accuracy matrix of a sequential run and its continual-learning measures (GEM, Lopez-Paz & Ranzato 2017).
 
     stage_results: [(row name, learned domain, results), ...] in curriculum order, e.g. ("seq-1-math", "math", r);
-    base_results: the base's results (None if unknown); domains: the columns. Rows r = 0 (base), 1..T (stages);
-    a[r, j] is domain j's in-domain score after row r (domain_score; None where missing); t_j is the row that
-    learned domain j. Missing values are left out of every mean. For each learned domain j in the columns:
+    base_results: the base's results (None if unknown); domains: the columns; metric: "score" (sampled) or "gold"
+    (gold log-likelihood per agent token, domain_cell). Rows r = 0 (base), 1..T (stages); a[r, j] is domain j's
+    in-domain value after row r (None where missing); t_j is the row that learned domain j. Missing values are
+    left out of every mean. For each learned domain j in the columns:
+        gain_j       = a[t_j, j] - a[t_j - 1, j]                      (what its own stage did)
         forgetting_j = max_{t_j <= r <= T} a[r, j] - a[T, j]          (0 for the domain learned last)
         BWT          = mean over j with t_j < T      of  a[T, j] - a[t_j, j]
         FWT          = mean over j with t_j > 1      of  a[t_j - 1, j] - a[0, j]
     forgetting_mean is the mean of forgetting_j over j with t_j < T. BWT < 0 means later stages forgot; FWT > 0
     means earlier stages helped a domain before it was trained (measured against the base, not a random model).
-    Returns {rows, domains, learned, matrix, forgetting, forgetting_mean, bwt, fwt}."""
+    Every difference is paired over the same tasks (paired_difference) and comes with its standard error (None
+    without per-task values); a mean of differences over domains has the root-sum-square SE over their count.
+    Forgetting's peak is the highest row, so it leans upward by chance: compare it with its SE.
+    Returns {metric, rows, domains, learned, matrix, se, gain, forgetting, forgetting_se, forgetting_mean,
+    forgetting_mean_se, bwt, bwt_se, fwt, fwt_se}."""
     learned = [d for _, d, _ in stage_results]
     if len(set(learned)) != len(learned):
         raise ValueError(f"a domain is learned twice in {learned}: forgetting and transfer are undefined")
     rows = ["base"] + [name for name, _, _ in stage_results]
-    a = [[domain_score(r, d) for d in domains] for r in [base_results] + [r for _, _, r in stage_results]]
+    cells = [[domain_cell(r, d, metric) for d in domains] for r in [base_results] + [r for _, _, r in stage_results]]
+    a = [[c[0] for c in row] for row in cells]
+    se = [[_se(list(c[1].values())) if c[1] else None for c in row] for row in cells]
     T = len(rows) - 1
     t = {d: i + 1 for i, d in enumerate(learned) if d in domains}
-    forgetting, bwt, fwt = {}, [], []
+    gain, forgetting, forgetting_se, bwt, fwt, fmean = {}, {}, {}, [], [], []
     for d, tj in t.items():
         j = domains.index(d)
-        after = [a[r][j] for r in range(tj, T + 1) if a[r][j] is not None]
-        forgetting[d] = max(after) - a[T][j] if after and a[T][j] is not None else None
-        if tj < T and a[T][j] is not None and a[tj][j] is not None:
-            bwt.append(a[T][j] - a[tj][j])
-        if tj > 1 and a[tj - 1][j] is not None and a[0][j] is not None:
-            fwt.append(a[tj - 1][j] - a[0][j])
-    return {"rows": rows, "domains": list(domains), "learned": {d: rows[tj] for d, tj in t.items()}, "matrix": a,
-            "forgetting": forgetting, "forgetting_mean": _mean(forgetting[d] for d, tj in t.items() if tj < T),
-            "bwt": _mean(bwt), "fwt": _mean(fwt)}
+        gain[d] = paired_difference(cells[tj - 1][j], cells[tj][j])
+        after = [r for r in range(tj, T + 1) if a[r][j] is not None]
+        if after and a[T][j] is not None:
+            peak = max(after, key=lambda r: a[r][j])
+            forgetting[d], forgetting_se[d] = paired_difference(cells[T][j], cells[peak][j]) if peak != T else (0.0, 0.0)
+            if tj < T:
+                fmean.append((forgetting[d], forgetting_se[d]))
+        else:
+            forgetting[d], forgetting_se[d] = None, None
+        if tj < T:
+            bwt.append(paired_difference(cells[tj][j], cells[T][j]))
+        if tj > 1:
+            fwt.append(paired_difference(cells[0][j], cells[tj - 1][j]))
+    (fm, fm_se), (b, b_se), (f, f_se) = _mean_se(fmean), _mean_se(bwt), _mean_se(fwt)
+    return {"metric": metric, "rows": rows, "domains": list(domains), "learned": {d: rows[tj] for d, tj in t.items()},
+            "matrix": a, "se": se, "gain": gain, "forgetting": forgetting, "forgetting_se": forgetting_se,
+            "forgetting_mean": fm, "forgetting_mean_se": fm_se, "bwt": b, "bwt_se": b_se, "fwt": f, "fwt_se": f_se}
 
 
-def _fmt(x):
-    return "–" if x is None else f"{x:.3f}"
+def _fmt(x, se=None):
+    return "–" if x is None else f"{x:.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
+METRIC_NAMES = {"score": "sampled score", "gold": "gold log-likelihood per agent token"}
 
 
 def matrix_table(m) -> str:
-    """The accuracy matrix as markdown, with the forgetting row and a BWT/FWT line."""
-    lines = ["| after \\ on | " + " | ".join(m["domains"]) + " |", "|---" * (len(m["domains"]) + 1) + "|"]
-    lines += [f"| {row} | " + " | ".join(_fmt(x) for x in vals) + " |" for row, vals in zip(m["rows"], m["matrix"])]
-    lines.append("| forgetting | " + " | ".join(_fmt(m["forgetting"].get(d)) for d in m["domains"]) + " |")
-    lines.append(f"\nBWT {_fmt(m['bwt'])} | FWT {_fmt(m['fwt'])} | mean forgetting {_fmt(m['forgetting_mean'])}")
+    """The accuracy matrix as markdown (value ± SE where per-task values exist), the forgetting row, each stage's
+    gain on its own domain, and a BWT/FWT line."""
+    se = m.get("se") or [[None] * len(m["domains"]) for _ in m["rows"]]
+    fse = m.get("forgetting_se", {})
+    lines = [f"{METRIC_NAMES.get(m.get('metric', 'score'))}:", "",
+             "| after \\ on | " + " | ".join(m["domains"]) + " |", "|---" * (len(m["domains"]) + 1) + "|"]
+    lines += [f"| {row} | " + " | ".join(_fmt(x, e) for x, e in zip(vals, ses)) + " |"
+              for row, vals, ses in zip(m["rows"], m["matrix"], se)]
+    lines.append("| forgetting | " + " | ".join(_fmt(m["forgetting"].get(d), fse.get(d)) for d in m["domains"]) + " |")
+    if m.get("gain"):
+        lines.append("| own-stage gain | " + " | ".join(_fmt(*m["gain"][d]) if d in m["gain"] else "–"
+                                                      for d in m["domains"]) + " |")
+    lines.append(f"\nBWT {_fmt(m['bwt'], m.get('bwt_se'))} | FWT {_fmt(m['fwt'], m.get('fwt_se'))} | mean forgetting "
+                 f"{_fmt(m['forgetting_mean'], m.get('forgetting_mean_se'))} (± standard errors over tasks, paired)")
     src = m.get("sources", {})
     earlier = [f"{row} <- {src[row]}" for row in m["rows"] if src.get(row, "this run") != "this run"]
     if earlier:   # rows not evaluated now, with their file and task count (an in-run record has fewer tasks)
@@ -346,16 +458,20 @@ def plot_matrix(m, path, title="accuracy after each stage"):
     import numpy as np
     data = np.array([[np.nan if x is None else x for x in row] for row in m["matrix"]], dtype=float)
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(m["domains"]), 1.2 + 0.5 * len(m["rows"])))
-    # tiny-arena scores sit far below 1: scale the colours to the largest score so differences show
-    top = max([x for row in m["matrix"] for x in row if x is not None] + [0.05])
-    im = ax.imshow(data, cmap="viridis", vmin=0.0, vmax=top, aspect="auto")
+    # tiny-arena scores sit far below 1: scale the colours to the largest score so differences show; a
+    # log-likelihood (negative) spans its own range
+    values = [x for row in m["matrix"] for x in row if x is not None]
+    low = 0.0 if m.get("metric", "score") == "score" else min(values + [-1.0])
+    top = max(values + [low + 0.05])
+    im = ax.imshow(data, cmap="viridis", vmin=low, vmax=top, aspect="auto")
     ax.set_xticks(range(len(m["domains"])), m["domains"])
     ax.set_yticks(range(len(m["rows"])), m["rows"])
-    ax.set_xlabel("evaluated on (in-domain test)")
+    ax.set_xlabel(f"{METRIC_NAMES.get(m.get('metric', 'score'))} on in-domain test")
     ax.set_ylabel("after stage")
     for r, row in enumerate(m["matrix"]):
         for j, x in enumerate(row):
-            ax.text(j, r, _fmt(x), ha="center", va="center", color="k" if x is None or x >= 0.6 * top else "w", fontsize=9)
+            ax.text(j, r, _fmt(x), ha="center", va="center", color="k" if x is None or x - low >= 0.6 * (top - low)
+                    else "w", fontsize=9)
     ax.set_title(f"{title}\nBWT {_fmt(m['bwt'])}  FWT {_fmt(m['fwt'])}", fontsize=10)
     fig.colorbar(im, ax=ax)
     return save_figure(fig, path)
@@ -401,7 +517,17 @@ def _stages(names, label) -> list:
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", nargs="+", required=True, help="checkpoint directories (Hugging Face format)")
+    p.add_argument("--ckpt", nargs="+", default=None, help="checkpoint directories (Hugging Face format)")
+    p.add_argument("--across", nargs="+", default=None, metavar="RUNS",
+                   help="instead of evaluating: the accuracy matrices of sequential runs made with different training "
+                        "seeds (RUNS/eval/seq_matrix.json each, e.g. runs/tiny runs/tiny-seed1 runs/tiny-seed2), as "
+                        "mean ± std over the runs")
+    p.add_argument("--save-episodes", default=None, metavar="DIR",
+                   help="also write every scored episode: DIR/<checkpoint name>/<benchmark>.jsonl, one episode per "
+                        "line (chat messages with tools, reward, metrics): teacher rollouts for train_seq.py "
+                        "--expert-data")
+    p.add_argument("--no-gold", dest="gold", action="store_false",
+                   help="skip the gold log-likelihood on the scripted expert's episodes (tiny worlds only)")
     p.add_argument("--suite", default="tiny", help="tiny (the tiny worlds' test/ood splits) or full (real benchmarks)")
     p.add_argument("--seeds", type=int, default=1,
                    help="sampling seeds (full passes); mean/std are over seeds. 1 = std 0; use 3 for claims")
@@ -431,6 +557,8 @@ def parse_args(argv=None):
 
 def resolve(a) -> dict:
     """Check every argument and load the benchmarks; UsageError (one line) on bad input, before anything is written."""
+    if not a.ckpt:
+        raise UsageError("give --ckpt (checkpoints to evaluate) or --across (saved runs to aggregate)")
     if a.suite not in SUITES:
         raise UsageError(f"unknown suite {a.suite!r}; expected one of {', '.join(SUITES)}")
     for flag in ("seeds", "k", "n", "batch", "max_tokens", "max_turn_tokens"):
@@ -469,6 +597,9 @@ def resolve(a) -> dict:
         out = os.path.join(eval_dir, f"{name}.json")
         if out in seen:
             raise UsageError(f"{path} and {seen[out]} would both be saved as {out}")
+        if a.save_episodes:   # a new directory per checkpoint, or one this project wrote as episodes
+            check_output(os.path.join(a.save_episodes, name), "episodes", inputs=[path], overwrite=True,
+                         flag="--save-episodes")
         seen[out] = path
         ckpts.append((path, name, eval_dir, out))
     # The matrix: stages evaluated now, plus the base and stages saved earlier in the same eval directory.
@@ -492,6 +623,12 @@ def resolve(a) -> dict:
 
 def main():
     a = parse_args()
+    if a.across:
+        try:
+            print0(across_seeds(a.across))
+        except UsageError as e:
+            usage_exit(e)
+        return
     try:
         r = resolve(a)
     except UsageError as e:
@@ -507,13 +644,16 @@ def main():
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
     named = {}
     for path, name, _, out in r["ckpts"]:
+        episodes = {} if a.save_episodes else None
         record = evaluate_ckpt(path, a.suite, backend_name=a.backend, seeds=a.seeds, k=a.k, temperature=a.temperature,
                                batch=a.batch,
                                max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
-                               tasks=r["tasks"], label=f"[{name}] ")
+                               tasks=r["tasks"], label=f"[{name}] ", gold=a.gold, episodes=episodes)
         record["settings"] = settings
         try:
             save_results(out, record)
+            if episodes is not None:
+                print0(f"saved {save_episode_files(os.path.join(a.save_episodes, name), episodes, path)}")
         except OSError as e:
             sys.exit(f"error: writing {out} failed: {e}")
         print0(f"saved {out} ({record['wall_s']:.0f}s)")
@@ -532,11 +672,77 @@ def main():
                     sources[name] = f"{os.path.relpath(path, r['matrix_dir'])} ({settings_note(saved, settings)})"
                     return saved
             return None
-        m = accuracy_matrix([(name, d, row(name)) for _, name, d in r["stages"]], row("base"), r["domains"])
+        rows = [(name, d, row(name)) for _, name, d in r["stages"]]
+        m = accuracy_matrix(rows, row("base"), r["domains"])
         m["sources"] = sources
         print0("\n" + matrix_table(m))
+        g = accuracy_matrix(rows, row("base"), r["domains"], metric="gold")
+        if any(x is not None for vals in g["matrix"] for x in vals):
+            m["gold"] = g
+            print0("\n" + matrix_table(g))
+            print0(f"saved {plot_matrix(g, os.path.join(r['matrix_dir'], 'seq_matrix_gold.png'), 'gold log-likelihood after each stage')}")
         save_results(os.path.join(r["matrix_dir"], "seq_matrix.json"), m)
         print0(f"saved {plot_matrix(m, os.path.join(r['matrix_dir'], 'seq_matrix.png'))}")
+
+
+def save_episode_files(out_dir, episodes, ckpt) -> str:
+    """Write {benchmark: [episode records]} as out_dir/<benchmark, / -> ->.jsonl, atomically, with an acl_meta.json
+    that marks the directory as this project's episodes (check_output)."""
+    from common import write_atomically, write_meta
+
+    def write(tmp):
+        for bench, records in episodes.items():
+            with open(os.path.join(tmp, bench.replace("/", "-") + ".jsonl"), "w") as f:
+                for rec in records:
+                    f.write(json.dumps(rec, default=str) + "\n")
+        write_meta(tmp, dict(method="episodes", ckpt=os.path.abspath(ckpt), code_revision=code_revision(),
+                             counts={b: len(v) for b, v in episodes.items()}))
+    return write_atomically(out_dir, write)
+
+
+def across_seeds(run_dirs) -> str:
+    """The accuracy matrices of several runs of one recipe with different training seeds (each RUNS/eval/
+    seq_matrix.json, made by evaluate.py on that run's checkpoints), as mean ± std over the runs for every cell,
+    own-stage gain, forgetting, BWT and FWT, for the sampled score and the gold log-likelihood. The runs must share
+    rows and domains. Saved beside the first run's matrix as seq_matrix_seeds.json; returns the tables."""
+    ms = []
+    for d in run_dirs:
+        path = os.path.join(d, "eval", "seq_matrix.json")
+        if not os.path.isfile(path):
+            raise UsageError(f"no accuracy matrix at {path}: evaluate that run's base and stages first")
+        ms.append(load_results(path))
+    if len({(tuple(m["rows"]), tuple(m["domains"])) for m in ms}) != 1:
+        raise UsageError("the runs' matrices have different rows or domains: " + "; ".join(
+            f"{d}: {m['rows']} x {m['domains']}" for d, m in zip(run_dirs, ms)))
+    out, tables = {"runs": [os.path.abspath(d) for d in run_dirs]}, []
+    for metric in ("score", "gold"):
+        got = [m if metric == "score" else m.get("gold") for m in ms]
+        if any(g is None for g in got):
+            continue
+        rows, domains = got[0]["rows"], got[0]["domains"]
+
+        def spread(values):
+            values = [v for v in values if v is not None]
+            if not values:
+                return None
+            return [statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values)]
+        agg = {"matrix": [[spread([g["matrix"][r][j] for g in got]) for j in range(len(domains))] for r in range(len(rows))],
+               "gain": {d: spread([(g.get("gain") or {}).get(d, [None])[0] for g in got]) for d in domains},
+               "forgetting": {d: spread([g["forgetting"].get(d) for g in got]) for d in domains},
+               **{k: spread([g.get(k) for g in got]) for k in ("bwt", "fwt", "forgetting_mean")}}
+        out[metric] = agg
+
+        def f(x):
+            return "–" if x is None else f"{x[0]:.3f} ± {x[1]:.3f}"
+        lines = [f"{METRIC_NAMES[metric]}, mean ± std over {len(got)} training seeds:", "",
+                 "| after \\ on | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+        lines += [f"| {row} | " + " | ".join(f(x) for x in vals) + " |" for row, vals in zip(rows, agg["matrix"])]
+        lines.append("| forgetting | " + " | ".join(f(agg["forgetting"][d]) for d in domains) + " |")
+        lines.append("| own-stage gain | " + " | ".join(f(agg["gain"][d]) for d in domains) + " |")
+        lines.append(f"\nBWT {f(agg['bwt'])} | FWT {f(agg['fwt'])} | mean forgetting {f(agg['forgetting_mean'])}")
+        tables.append("\n".join(lines))
+    save_results(os.path.join(run_dirs[0], "eval", "seq_matrix_seeds.json"), out)
+    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":

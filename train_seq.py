@@ -4,13 +4,15 @@ stage is followed by an evaluation on every domain, so forgetting and transfer c
 A one-stage curriculum from the base is a single-task oracle (--oracle).
 
 Each stage:
-  1. agentic domains (search, ecommerce) start with rejection-sampled fine-tuning (RFT): sample
-     --rft-samples rollouts for each of --rft-prompts train prompts from the current policy, keep the
-     ones with full reward and well-formed tool calls (deduplicated), SFT on them (loss on the policy's
-     own tokens only) -> runs/<preset>/seq/<i>-<domain>-rft/;
+  1. agentic domains (search, ecommerce) start with a cold start, SFT on --rft-prompts train prompts' rollouts
+     with full reward and well-formed tool calls (deduplicated; loss on the agent's tokens only): the expert's
+     (--cold-start expert, the authors' recipe: the tiny worlds' scripted expert, or teacher rollouts in
+     --expert-data at full scale) or the policy's own, --rft-samples per prompt (--cold-start self, RFT)
+     -> runs/<preset>/seq/<i>-<domain>-rft/;
   2. GRPO for --steps steps: --prompts prompts x --group samples, group-normalised advantages, a
-     clipped surrogate with separate low/high clip (DAPO), token-mean or sequence-mean aggregation,
-     optional k3 KL to the stage's starting weights, dynamic sampling (groups with equal rewards are
+     clipped surrogate with separate low/high clip (DAPO) on a per-token ratio (or GSPO's per-sequence one,
+     --loss gspo), token-mean or sequence-mean aggregation, --lr and a k3 KL to the stage's starting weights
+     (--kl-coef) per domain, dynamic sampling (groups with equal rewards are
      dropped and more prompts drawn), a truncated importance weight between the sampler's and the
      trainer's log-probs, environment tokens masked out -> runs/<preset>/seq/<i>-<domain>/;
   3. evaluate every domain on --eval-n tasks (evaluate.py) -> runs/<preset>/eval/inrun/seq-<i>-<domain>.json.
@@ -68,7 +70,7 @@ from common import (
 )
 from envs import add_data_flags, env_options, load_envs, per_domain
 from envs.base import UsageError
-from envs.rollout import make_backend, push_weights
+from envs.rollout import expert_episodes, make_backend, push_weights, saved_episodes
 from evaluate import evaluate_inrun, inrun_path
 from train_step import (
     Cursor,
@@ -85,13 +87,18 @@ from train_step import (
 # ----------------------------------------------------------------------------- the loss
 
 def grpo_loss(logp, b, x, a):
-    """The GRPO/DAPO per-token loss, (B, T), which train_on masks to the sampled tokens and aggregates.
+    """The GRPO/DAPO per-token loss, (B, T), which train_on masks to the sampled tokens and aggregates; with
+    --loss gspo the importance ratio is GSPO's sequence-level one (Zheng et al. 2025; exact with --agg seq).
     logp: the current policy's log-probs; b["slp"]: the sampler's; x["adv"] (B, 1): the group-normalised
     advantage; x["old"]: the trainer's log-probs under the weights that sampled (absent on the first update on a
     batch: logp itself, detached); x["ref"]: the reference model's (absent without --kl-coef).
     -> (loss, {"clip": 1 where the PPO ratio is outside the clip range})."""
     old = x["old"] if "old" in x else logp.detach()
-    ratio = torch.exp(logp - old)                                        # PPO ratio, trainer vs trainer
+    ratio = torch.exp(logp - old)                                        # GRPO: one PPO ratio per token
+    if a.loss == "gspo":   # GSPO: one ratio per sequence, exp of its mean token log-ratio (on every token of it,
+        m = b["mask"]      # value s_i and gradient s_i * d log p_t: GSPO-token), so the clip acts per sequence
+        seq = ((logp - old) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)     # (B, 1)
+        ratio = torch.exp(seq.detach() + logp - logp.detach())
     adv = x["adv"]
     surr = torch.minimum(ratio * adv, ratio.clamp(1 - a.clip_low, 1 + a.clip_high) * adv)
     # truncated importance weight for the sampler/trainer mismatch (bf16 vLLM vs FSDP): 1 when they agree
@@ -111,11 +118,13 @@ def grpo_loss(logp, b, x, a):
 # search stages wiped the base's ecommerce skill before its stage.
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
-                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr=2e-4, rft_prompts="search=256,ecommerce=96",
-                 rft_samples=4, rft_epochs=2, rft_lr=1e-3, eval_n=30, max_gen_rounds=2, math_data=None),
+                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr="2e-4", kl_coef="0", loss="grpo",
+                 cold_start="expert", rft_prompts="search=256,ecommerce=96", rft_samples=4, rft_epochs=2, rft_lr=1e-3,
+                 eval_n=30, max_gen_rounds=2, math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
-                     group=8, lr=1e-6, rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None,
-                     max_gen_rounds=3, math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
+                     group=8, lr="1e-6", kl_coef="math=0.01,search=0,ecommerce=0.1,if=0", loss="grpo", cold_start="self",
+                     rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, max_gen_rounds=3,
+                     math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
 }
 AGENTIC = ("search", "ecommerce")
 
@@ -150,14 +159,23 @@ def stage_dir(a, i: int, domain: str) -> str:
 def recipe(a, domain: str) -> dict:
     """The settings a finished stage (and a resume state) must match to be used on a rerun: the recipe, and the
     stage's lineage: the starting checkpoint and the stages trained before it (an oracle has none)."""
-    keys = ("group", "lr", "minibatches", "clip_low", "clip_high", "agg", "kl_coef", "tis_cap", "grad_clip",
-            "dynamic_sampling", "max_gen_rounds", "temperature", "max_tokens", "max_turn_tokens", "rft_samples",
-            "rft_epochs", "rft_lr", "seed")
+    keys = ("group", "minibatches", "clip_low", "clip_high", "agg", "loss", "tis_cap", "grad_clip", "dynamic_sampling",
+            "max_gen_rounds", "temperature", "max_tokens", "max_turn_tokens", "rft_samples", "rft_epochs", "rft_lr",
+            "seed")
     init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
     before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
+    agentic = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
     return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
-                rft_prompts=a.rft_prompts_by_domain.get(domain, 0) if domain in AGENTIC else 0, init=init,
+                lr=a.lr_by_domain[domain], kl_coef=a.kl_by_domain[domain],
+                rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
+                expert_data=os.path.abspath(a.expert_data) if agentic and a.expert_data else None, init=init,
                 trained_after=before)
+
+
+def stage_args(a, domain: str):
+    """A copy of the run's arguments with this stage's own learning rate and KL coefficient as plain numbers."""
+    return argparse.Namespace(**dict(vars(a), lr=per_domain("--lr", a.lr, [domain], float)[domain],
+                                     kl_coef=per_domain("--kl-coef", a.kl_coef, [domain], float)[domain]))
 
 
 def check_stage(a, i: int, domain: str):
@@ -173,19 +191,31 @@ def rollouts(backend, tok, env, tasks, n, a, seed, adapter=None):
                    max_turn_tokens=a.max_turn_tokens, seed=seed, adapters=[adapter] * len(tasks) if adapter else None)
 
 
-def rft(policy, tok, backend, env, tasks, a, stage_name):
-    """Rejection-sampled fine-tuning: sample, keep what train_step.keep_successes keeps, SFT on it."""
+def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name):
+    """The agentic stages' cold start, SFT on rollouts that keep_successes keeps (full reward, well-formed tool
+    calls, distinct): --cold-start self samples them from the policy (rejection-sampled fine-tuning, RFT);
+    --cold-start expert takes a stronger model's, as the study's authors did (Qwen3-30B-A3B rollouts): in the tiny
+    worlds the scripted expert's episodes of the same prompts (envs.rollout.expert_episodes), at full scale the
+    teacher rollouts in --expert-data (evaluate.py --save-episodes writes them)."""
     t0 = time.time()
     mine = tasks[rank()::world_size()]
     policy.eval()
-    eps = rollouts(backend, tok, env, mine, a.rft_samples, a, seed=a.seed * 7919 + rank())
+    if a.cold_start == "self":
+        eps, what = rollouts(backend, tok, env, mine, a.rft_samples, a, seed=a.seed * 7919 + rank()), \
+            f"{len(tasks)} prompts x {a.rft_samples} samples"
+    elif a.expert_data:
+        eps = saved_episodes(tok, expert_records(a.expert_data, domain)[rank()::world_size()], a.max_tokens,
+                             a.max_turn_tokens)
+        what = f"{int(all_reduce_sum(len(eps)))} teacher rollouts from {a.expert_data}"
+    else:
+        eps = expert_episodes(tok, env, mine, a.max_tokens, a.max_turn_tokens)
+        what = f"{len(tasks)} prompts x 1 expert episode"
     kept = keep_successes(eps)
     n_kept = int(all_reduce_sum(len(kept)))
-    print0(f"[{stage_name}] rft: {len(tasks)} prompts x {a.rft_samples} samples, mean reward "
-           f"{gather_mean([e.reward for e in eps]):.3f}, kept {n_kept} distinct full-reward well-formed rollouts "
-           f"({time.time() - t0:.0f}s)")
+    print0(f"[{stage_name}] cold start ({a.cold_start}): {what}, mean reward {gather_mean([e.reward for e in eps]):.3f}"
+           f", kept {n_kept} distinct full-reward well-formed rollouts ({time.time() - t0:.0f}s)")
     if n_kept == 0:
-        print0(f"[{stage_name}] rft: nothing to learn from; GRPO starts from the current policy")
+        print0(f"[{stage_name}] cold start: nothing to learn from; GRPO starts from the current policy")
         return 0
     backend.sleep()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.rft_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -194,10 +224,23 @@ def rft(policy, tok, backend, env, tasks, a, stage_name):
         sft_epochs(policy, opt, kept, epochs=a.rft_epochs, batch=max(1, a.micro_batch // 2), micro_batch=a.micro_batch,
                    grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft")
     except FloatingPointError as e:
-        raise FloatingPointError(f"[{stage_name}] RFT: {e}") from None
+        raise FloatingPointError(f"[{stage_name}] cold start: {e}") from None
     backend.wake()
     push_weights(backend, policy)
     return n_kept
+
+
+def expert_records(path: str, domain: str) -> list:
+    """The episode records of `domain` in the *.jsonl files of directory `path` (evaluate.py --save-episodes'
+    format), sorted; UsageError on a missing directory or a malformed line."""
+    from envs.base import read_jsonl
+    if not os.path.isdir(path):
+        raise UsageError(f"--expert-data {path}: not a directory")
+    out = []
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".jsonl")):
+        out += [r for r in read_jsonl(os.path.join(path, name))
+                if isinstance(r, dict) and r.get("env") == domain and isinstance(r.get("messages"), list)]
+    return out
 
 
 def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None, push=push_weights,
@@ -291,7 +334,8 @@ def stage_backend(a, tok, path, policy, device):
 
 
 def run_stage(i, domain, parent, a, device, env):
-    """RFT (agentic domains) + GRPO + save + evaluate; returns the stage's checkpoint directory."""
+    """Cold start (agentic domains) + GRPO + save + evaluate; returns the stage's checkpoint directory."""
+    a = stage_args(a, domain)
     out = stage_dir(a, i, domain)
     name = os.path.relpath(out, a.runs)
     t0 = time.time()
@@ -317,7 +361,7 @@ def run_stage(i, domain, parent, a, device, env):
         t1 = time.time()
         tasks = env.tasks("train", seed=a.seed)
         tasks = [tasks[j] for j in Cursor(len(tasks), a.seed + 1).take(a.rft_prompts_by_domain[domain])]
-        n_rft = rft(policy, tok, backend, env, tasks, a, name)
+        n_rft = cold_start(policy, tok, backend, env, domain, tasks, a, name)
         t_rft = time.time() - t1
         save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft", seconds=round(t_rft, 1)))
     steps = a.steps_by_domain[domain]
@@ -372,22 +416,30 @@ def get_args(argv=None):
     p.add_argument("--steps", default=preset["steps"], help="GRPO steps per stage: N, or domain=N,...")
     p.add_argument("--prompts", default=preset["prompts"], help="prompts per GRPO step (global): N, or domain=N,...")
     p.add_argument("--group", type=int, default=preset["group"], help="GRPO group size G (samples per prompt)")
-    p.add_argument("--lr", type=float, default=preset["lr"], help="GRPO learning rate (AdamW, constant)")
+    p.add_argument("--lr", default=preset["lr"], help="GRPO learning rate (AdamW, constant): X, or domain=X,...")
+    p.add_argument("--loss", default=preset["loss"], choices=["grpo", "gspo"], help="importance ratio per token "
+                   "(GRPO/DAPO) or per sequence (GSPO, the authors' choice for search, ecommerce and LoRA runs)")
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1 (ratio >= 1 - clip_low)")
     p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (DAPO clip-higher)")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per rollout batch (PPO-style "
                                                                   "minibatches; >1 makes the clip active)")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the stage's start (0 = off)")
+    p.add_argument("--kl-coef", default=preset["kl_coef"], help="k3 KL penalty to the stage's start (0 = off): X, or "
+                   "domain=X,... (the authors: math 0.01, ecommerce 0.1)")
     p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the sampler/trainer importance weight")
     p.add_argument("--no-dynamic-sampling", dest="dynamic_sampling", action="store_false",
                    help="keep groups whose rewards are all equal (they get zero advantage)")
     p.add_argument("--max-gen-rounds", type=int, default=preset["max_gen_rounds"],
                    help="dynamic sampling: most prompt batches per step")
+    p.add_argument("--cold-start", default=preset["cold_start"], choices=["expert", "self"],
+                   help="agentic stages' cold start: SFT on an expert's rollouts (tiny: the worlds' scripted expert; "
+                        "full scale: --expert-data) or on the policy's own filtered samples (RFT)")
+    p.add_argument("--expert-data", default=None, metavar="DIR", help="--cold-start expert at full scale: teacher "
+                   "rollouts, *.jsonl of episode records (evaluate.py --save-episodes on the train split)")
     p.add_argument("--rft-prompts", default=preset["rft_prompts"],
-                   help="RFT cold start of agentic stages: train prompts to sample (0 = no RFT): N or domain=N,...")
-    p.add_argument("--rft-samples", type=int, default=preset["rft_samples"], help="RFT samples per prompt")
-    p.add_argument("--rft-epochs", type=int, default=preset["rft_epochs"], help="RFT SFT epochs")
-    p.add_argument("--rft-lr", type=float, default=preset["rft_lr"], help="RFT SFT learning rate")
+                   help="cold start of agentic stages: train prompts (0 = none): N or domain=N,...")
+    p.add_argument("--rft-samples", type=int, default=preset["rft_samples"], help="--cold-start self: samples per prompt")
+    p.add_argument("--rft-epochs", type=int, default=preset["rft_epochs"], help="cold-start SFT epochs")
+    p.add_argument("--rft-lr", type=float, default=preset["rft_lr"], help="cold-start SFT learning rate")
     p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
                                                                         "evaluation (0 = skip)")
     p.add_argument("--save-every", type=int, default=10, help="GRPO steps between resume states (0 = never)")
@@ -408,13 +460,16 @@ def check_args(a):
     a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
     a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
     a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
+    a.lr_by_domain = per_domain("--lr", a.lr, a.curriculum, float)
+    a.kl_by_domain = per_domain("--kl-coef", a.kl_coef, a.curriculum, float)
     check_shared_flags(a)
     ws = a.world_size if a.dry_run else world_size()
     checks = [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
-              (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"), (a.lr > 0, "--lr must be > 0"),
+              (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"),
+              (min(a.lr_by_domain.values()) > 0, "--lr must be > 0"),
               (all(v >= 0 for v in a.steps_by_domain.values()), "--steps must be >= 0"),
               (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
-              (a.kl_coef >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
+              (min(a.kl_by_domain.values()) >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
               (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"),
               (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
                "need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0"),
@@ -428,6 +483,14 @@ def check_args(a):
         raise UsageError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
     a.runs = a.runs or os.path.join("runs", a.preset)
     a.env_opts = env_options(a)
+    cold = [d for d, n in a.rft_prompts_by_domain.items() if n > 0]
+    if a.expert_data and a.cold_start != "expert":
+        raise UsageError("--expert-data is for --cold-start expert")
+    for d in cold if a.cold_start == "expert" and (a.expert_data or a.preset != "tiny") else []:
+        if not a.expert_data:
+            raise UsageError(f"--cold-start expert at full scale needs --expert-data DIR (teacher rollouts of {d})")
+        if not any(r.get("reward", 0) >= 1 for r in expert_records(a.expert_data, d)):
+            raise UsageError(f"--expert-data {a.expert_data} holds no full-reward {d} episode")
     return a
 
 
@@ -444,7 +507,7 @@ def main(argv=None):
     try:
         a = check_args(a)
         if a.dry_run:
-            dry_run(a, a.init, a.world_size, a.micro_batch, a.max_tokens, ref_model=a.kl_coef > 0)
+            dry_run(a, a.init, a.world_size, a.micro_batch, a.max_tokens, ref_model=max(a.kl_by_domain.values()) > 0)
             return
         check_writable(a.runs, "--runs")
         for i, d in enumerate(a.curriculum, 1):   # what lies in a stage's place must be this run's

@@ -93,7 +93,7 @@ def main(argv=None):
     n_params = sum(t.numel() for t in model.parameters())
     model = shard(model, bf16=cuda, cpu_offload=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
-    flags = train_seq.get_args(["--preset", "qwen3-8b", "--micro-batch", str(a.micro_batch)])
+    flags = train_seq.stage_args(train_seq.get_args(["--preset", "qwen3-8b", "--micro-batch", str(a.micro_batch)]), "math")
     eps, adv = episodes(a.prompts, a.group, a.prompt_len, a.completion_len, cfg.vocab_size)
     seq = a.prompt_len + a.completion_len
     per_micro_prompts = sum(len({e.task_id for e in [eps[i] for i in idx]})

@@ -52,17 +52,26 @@ def parse_domains(text: str) -> list:
 
 
 
-def per_domain(flag: str, text, domains) -> dict:
-    """'40' -> every domain 40; 'math=40,search=30' -> per domain (a curriculum domain not named: error)."""
+def per_domain(flag: str, text, domains, cast=int) -> dict:
+    """'40' -> every domain 40; 'math=40,search=30' -> per domain (a curriculum domain not named, a domain named
+    twice or unknown, a value that is not a number: one-line error). cast: int (counts) or float (rates; finite)."""
+    import math
+    what = "N" if cast is int else "X"
+    parts = [part.partition("=") for part in str(text).split(",")] if "=" in str(text) else []
     try:
-        if "=" not in str(text):
-            return {d: int(text) for d in domains}
-        out = {k.strip(): int(v) for k, _, v in (part.partition("=") for part in text.split(","))}
+        out = {k.strip(): cast(v) for k, _, v in parts} if parts else {d: cast(text) for d in domains}
     except ValueError:
-        raise UsageError(f"{flag} takes N or domain=N,...; got {text!r}") from None
+        raise UsageError(f"{flag} takes {what} or domain={what},...; got {text!r}") from None
+    if parts and len(out) != len(parts):
+        raise UsageError(f"{flag} names a domain twice: {text!r}")
+    unknown = [d for d in out if d not in DOMAINS]
+    if unknown:
+        raise UsageError(f"{flag}: unknown domain {unknown[0]!r}; expected some of {','.join(DOMAINS)}")
     missing = [d for d in domains if d not in out]
     if missing:
-        raise UsageError(f"{flag} names no count for {', '.join(missing)}")
+        raise UsageError(f"{flag} names no {'count' if cast is int else 'value'} for {', '.join(missing)}")
+    if any(not math.isfinite(v) for v in out.values()):
+        raise UsageError(f"{flag} values must be finite; got {text!r}")
     return out
 
 

@@ -68,6 +68,12 @@ class Env:
         (an HF dataset id or a local file; None: the benchmark's default), the first n (None: all)."""
         raise UsageError(f"the {self.domain or type(self).__name__} environment has no benchmark {name!r}")
 
+    def expert(self, task: Task) -> list | None:
+        """Tiny arena: the assistant texts of a clean by-the-book episode of `task`, turn by turn (the worlds'
+        scripted expert, the tiny counterpart of a stronger model's rollouts), or None where there is no script
+        (real data). The env's answers to them are deterministic: rollout.expert_episodes replays them."""
+        return None
+
     def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
         """Tiny arena only: n complete example conversations for the base model's pre-training corpus,
         each {"messages": [...including assistant turns...], "tools": [...] | None}. A fraction

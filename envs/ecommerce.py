@@ -1023,6 +1023,9 @@ class EcommerceEnv(Env):
                          "tool_calls": float(info["tool_calls"]), "tool_errors": float(info["tool_errors"]),
                          "turns": float(state.turns), "user_error": float(info["user_error"])}
 
+    def expert(self, task):
+        return expert_turns(task) if task.gold.get("kind") not in (None, "real") else None
+
     def demos(self, n, seed=0, noise=0.5):
         """Scripted retail episodes from the train distribution; a `noise` fraction makes one mistake (a
         wrong order or argument, a skipped confirmation, or no action at all; a wrong amount)."""

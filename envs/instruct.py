@@ -759,6 +759,9 @@ class IFEnv(Env):
                    "inst_followed_loose": float(sum(r["loose"])), "truncated": float(state.truncated)}
         return metrics["prompt_strict"], metrics
 
+    def expert(self, task):
+        return [task.gold["reference"]] if task.gold.get("reference") else None
+
     def demos(self, n, seed=0, noise=0.5):
         """Train-distribution conversations; a `noise` fraction breaks exactly one of its instructions."""
         rng, out = random.Random(f"if-noise:{seed}"), []

@@ -266,6 +266,31 @@ def working(a: int, op: str, b: int, slip: random.Random | None = None) -> tuple
     return "; ".join(steps), int(so_far)
 
 
+def expert_working(expr: str) -> str:
+    """The scripted expert's reply to "What is <expr>?": each operation in the order it is evaluated, worked
+    column by column as the demos do (working()), then the boxed value, e.g. "37+45: 7+5=12 so 2; 3+4+1=8 so 82.
+    \\boxed{82}". A three-operand ood problem gets one such line per operation; an operation that working()
+    does not cover (a subtraction below zero on the way) is one plain fact, "3-7=-4"."""
+    import ast
+
+    def ev(node, lines):
+        if isinstance(node, ast.Constant):
+            return node.value
+        x, y = ev(node.left, lines), ev(node.right, lines)
+        op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}[type(node.op)]
+        value = _apply(x, op, y)
+        if x < 0 or y < 0 or value < 0:
+            lines.append(f"{x}{op}{y}={value}")
+        else:
+            a, b = (y, x) if op == "*" and y > x else (x, y)   # the longer factor is worked digit by digit
+            lines.append(f"{a}{op}{b}: {working(a, op, b)[0]}")
+        return value
+
+    lines = []
+    value = ev(ast.parse(expr, mode="eval").body, lines)
+    return ". ".join(lines) + f". \\boxed{{{value}}}"
+
+
 def _tiny_task(split: str, i: int, seed: int, expr: str, value: int) -> Task:
     return Task(id=f"math-{split}-{seed}-{i}", env="math", split=split,
                 messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {expr}?"}],
@@ -389,6 +414,9 @@ class MathEnv(Env):
         boxed = float(last_boxed(text) is not None)
         acc = 0.0 if state.truncated else grade(text, state.task.gold)
         return acc, {"acc": acc, "boxed": boxed}
+
+    def expert(self, task: Task) -> list | None:
+        return [expert_working(task.gold["expr"])] if task.gold.get("expr") else None
 
     def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
         """[system, user, assistant] conversations from the train split. The assistant works column by

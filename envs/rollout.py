@@ -484,6 +484,100 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
     return [ep for _, _, ep in everything]
 
 
+# ----------------------------------------------------------------------------- replayed episodes
+
+class ReplayBackend:
+    """A backend that 'samples' given assistant texts, one per call: the tokens a policy would have sampled had
+    it written exactly them (the text's tokens up to the first stop token, else followed by <|im_end|>), with
+    log-prob 0. Run through rollout() with one item, an expert's turns become an Episode with the token ids, the
+    loss mask and the chat template of a sampled one (expert_episodes)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.calls, self.eos = tok, list(texts), 0, tok.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
+        assert len(prompts) == 1, "a replay backend drives one episode"
+        text = self.texts[self.calls] if self.calls < len(self.texts) else ""
+        self.calls += 1
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        cut = next((i + 1 for i, t in enumerate(ids) if t in stop_ids), None)
+        ids = ids[:cut] if cut else ids + [self.eos]
+        stopped = len(ids) <= max_new_tokens
+        ids = ids[:max_new_tokens]
+        return [Generation(ids, [0.0] * len(ids), stopped)]
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
+class TranscriptEnv:
+    """An environment that answers with a saved transcript's observations: what follows each assistant message
+    in `messages` up to the next one. With ReplayBackend it renders a saved episode (a teacher's rollout from
+    a file) exactly as the rollout loop renders a live one, without the live environment."""
+
+    def __init__(self, messages, max_turns: int = 1000):
+        self.messages, self.max_turns = messages, max_turns
+
+    def reset(self, task):
+        from envs.base import EpisodeState
+        return EpisodeState(task=task, messages=[dict(m) for m in task.messages])
+
+    def step(self, state, text):
+        state.messages.append({"role": "assistant", "content": text})
+        state.turns += 1
+        turns = [i for i, m in enumerate(self.messages) if m.get("role") == "assistant"]
+        i = turns[state.turns - 1] if state.turns <= len(turns) else len(self.messages)
+        nxt = turns[state.turns] if state.turns < len(turns) else len(self.messages)
+        obs = [dict(m) for m in self.messages[i + 1: nxt]]
+        state.messages += obs
+        state.done = state.turns >= len(turns)
+        return obs
+
+    def score(self, state):
+        return 0.0, {}
+
+
+def expert_episodes(tok, env, tasks, max_tokens: int = MAX_TOKENS, max_turn_tokens: int = MAX_TURN_TOKENS) -> list:
+    """The scripted expert's episode of every task that has one (env.expert(task)), rendered through rollout()
+    with a ReplayBackend and scored by `env`: Episodes whose loss mask covers exactly the expert's turns. Tasks
+    without a script (real data) are left out."""
+    out = []
+    for task in tasks:
+        texts = env.expert(task)
+        if texts is not None:
+            out += rollout(ReplayBackend(tok, texts), tok, [(env, task)], 1, max_tokens=max_tokens,
+                           max_turn_tokens=max_turn_tokens)
+    return out
+
+
+def episode_record(ep, task) -> dict:
+    """One line of an episode file (evaluate.py --save-episodes; train_seq.py --expert-data reads them): the
+    chat messages with the task's tools, and how the environment scored it."""
+    return dict(task_id=ep.task_id, env=ep.env, split=ep.split, sample=ep.sample, messages=ep.messages,
+                tools=task.tools, reward=ep.reward, metrics=ep.metrics, truncated=ep.truncated)
+
+
+def saved_episodes(tok, records, max_tokens: int = MAX_TOKENS, max_turn_tokens: int = MAX_TURN_TOKENS) -> list:
+    """Episode records (episode_record's dicts) rendered as Episodes (TranscriptEnv + ReplayBackend), each with
+    its saved reward; the opening messages are those before the first assistant message."""
+    from envs.base import Task
+    out = []
+    for r in records:
+        msgs = r["messages"]
+        first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
+        task = Task(id=r.get("task_id", ""), env=r.get("env", ""), split=r.get("split", "train"),
+                    messages=msgs[:first], tools=r.get("tools"))
+        texts = [m.get("content") or "" for m in msgs[first:] if m.get("role") == "assistant"]
+        ep = rollout(ReplayBackend(tok, texts), tok, [(TranscriptEnv(msgs[first:]), task)], 1, max_tokens=max_tokens,
+                     max_turn_tokens=max_turn_tokens)[0]
+        ep.reward, ep.metrics = float(r.get("reward", 0.0)), dict(r.get("metrics") or {})
+        out.append(ep)
+    return out
+
+
 def main():
     from common import Parser, is_checkpoint, usage_exit
     p = Parser(description="Sample rollouts from a checkpoint: mean reward, metrics, tokens/s.")

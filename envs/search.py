@@ -435,6 +435,14 @@ class SearchEnv(Env):
         return em, {"em": em, "f1": f1, "searches": float(state.info.get("searches", 0)),
                     "answered": float(answer is not None)}
 
+    def expert(self, task: Task) -> list | None:
+        """Tiny world: search every name on the question's path (the second hop's name is in the first
+        result), then answer, as the demos do."""
+        if self.full or not task.gold.get("path"):
+            return None
+        return [tool_call_text("search", {"query": name}) for name in task.gold["path"]] + \
+            [f"<answer>{task.gold['answers'][0]}</answer>"]
+
     # -- demonstrations for the tiny base
 
     def demos(self, n: int, seed: int = 0, noise: float = 0.5, per_world: int = 100) -> list:

@@ -44,7 +44,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     eps = episodes()
     adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
-    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0)
+    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, loss="grpo")
     per = len(eps) // world_size()
     mine = slice(rank() * per, (rank() + 1) * per)
     if len(sys.argv) > 4 and sys.argv[4] == "uneven" and world_size() == 2:

