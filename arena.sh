@@ -26,10 +26,13 @@ fi
 TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
 
+SEEDS=${SEEDS:-1}           # tiny: training seeds of the sequential run (seed 0 in runs/tiny, seed s in runs/tiny-seed<s>)
 BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory (merge.py, analyze.py read it)
-# 1. the base: BPE tokenizer + ~1M-parameter Qwen3, an induction drill, then pre-training on the worlds' text and
-#    noisy demos (~12.5 min)
-[ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || python -m envs.tiny --out "$RUNS/base"
+# 1. the base: the committed reference base (assets/tiny-base: BPE tokenizer + ~1M-parameter Qwen3, an induction
+#    drill, then pre-training on the worlds' text and noisy demos), the tiny counterpart of downloading
+#    Qwen3-8B-Base (seconds). `python -m envs.tiny --out runs/tiny/base` rebuilds it (~12.5 min; float
+#    differences between machines give a different base: see the README's base section)
+[ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || { mkdir -p "$RUNS" && cp -r assets/tiny-base "$RUNS/base"; }
 # 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
 $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS
 # 3. the four single-task oracles, each one stage from the base (~7 min)
@@ -55,3 +58,17 @@ python analyze.py --runs "$RUNS" --base "$BASE"
 #    with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~25 min: 12 checkpoints x ~2.1 min)
 python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/base" "${STAGES[@]}" \
     "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* | tee "$RUNS/scores.md"
+# 8. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
+#    like step 7 (its base row is step 7's), then the accuracy matrices as mean ± std over training seeds
+#    (~17 min a seed)
+if [ "$ARENA" = tiny ] && [ "$SEEDS" -gt 1 ]; then
+    ALL=("$RUNS")
+    for s in $(seq 1 $((SEEDS - 1))); do
+        R=runs/tiny-seed$s
+        python train_seq.py --preset tiny --seed "$s" --runs "$R" --init "$RUNS/base" $TRAIN_ARGS
+        mkdir -p "$R/eval" && cp "$RUNS/eval/base.json" "$R/eval/base.json"
+        python evaluate.py --suite tiny $EVAL_ARGS --ckpt "$R"/seq/[0-9]-{math,search,ecommerce,if} | tee "$R/scores.md"
+        ALL+=("$R")
+    done
+    python evaluate.py --across "${ALL[@]}" | tee "$RUNS/scores_seeds.md"
+fi

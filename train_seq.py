@@ -480,7 +480,8 @@ def check_args(a):
             raise UsageError(msg)
     local = os.path.isdir(a.init) or a.init.startswith((".", os.path.sep, "runs")) or a.init.count("/") != 1
     if local and not is_checkpoint(a.init):
-        raise UsageError(f"--init checkpoint not found: {a.init} (build the tiny base with python -m envs.tiny)")
+        raise UsageError(f"--init checkpoint not found: {a.init} (the tiny arena: cp -r assets/tiny-base runs/tiny/base, "
+                         f"or rebuild it with python -m envs.tiny)")
     a.runs = a.runs or os.path.join("runs", a.preset)
     a.env_opts = env_options(a)
     cold = [d for d, n in a.rft_prompts_by_domain.items() if n > 0]

@@ -256,6 +256,22 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
     return losses
 
 
+def build_fingerprint(chats, generic, config: dict) -> str:
+    """sha256 of everything a base build depends on: the corpus (every demo and generic document), the build's
+    settings, and the source of the code that turns them into weights (tokenizer, model, drill, pre-training).
+    A committed base whose recorded fingerprint differs from the current code's is stale (tests/test_tiny.py)."""
+    import hashlib
+    import inspect
+    h = hashlib.sha256()
+    code = [train_tokenizer, model_config, corpus_tokenizer, encode_corpus, copy_rows, make_batches, pretrain, build_base]
+    for part in [CHAT_TEMPLATE, SPLIT, json.dumps(SIZES, sort_keys=True), str(DRILL_DONE)] + [inspect.getsource(f) for f in code]:
+        h.update(part.encode())
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for doc in chats + generic:
+        h.update(json.dumps(doc, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
 def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n_demos: int = 3000,
                noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
                max_len: int = 2048, domains=None, threads: int | None = None, loss_on: str = "all",
@@ -282,21 +298,22 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     model = Qwen3ForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3 {size}, {n_params / 1e6:.2f}M parameters", flush=True)
+    drill_stop = 0
     if drill_steps:   # phase 1: the drill alone, at a high lr, until copying forms (a sudden drop of its loss,
         # whose step varies between runs: 550 in one, past 1,500 in another), then stop
         print(f"induction drill: at most {drill_steps} steps at lr {drill_lr}, until its loss < {DRILL_DONE}", flush=True)
-        pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, seed), drill_steps, batch_tokens,
-                 drill_lr, seed, stop_below=DRILL_DONE, name="drill")
+        drill_stop = len(pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, seed), drill_steps,
+                                  batch_tokens, drill_lr, seed, stop_below=DRILL_DONE, name="drill"))
     print(f"pre-training: {steps} steps at lr {lr}", flush=True)
     losses = pretrain(model, rows, steps, batch_tokens, lr, seed, mix=mix)
     elapsed = time.time() - t0
-    meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed,
-                config=dict(size=size, steps=steps, n_demos=n_demos, noise=noise, vocab_size=vocab_size,
-                            batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or []),
-                            loss_on=loss_on, mix=mix or {}, copy_docs=copy_docs, drill_steps=drill_steps,
-                            drill_lr=drill_lr),
+    config = dict(size=size, steps=steps, n_demos=n_demos, noise=noise, vocab_size=vocab_size,
+                  batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or []), loss_on=loss_on,
+                  mix=mix or {}, copy_docs=copy_docs, drill_steps=drill_steps, drill_lr=drill_lr)
+    meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed, config=config,
                 n_params=n_params, corpus_tokens=n_tok, final_loss=sum(losses[-50:]) / len(losses[-50:]),
-                build_seconds=round(elapsed, 1))
+                build_seconds=round(elapsed, 1), drill_stopped_at=drill_stop,
+                fingerprint=build_fingerprint(chats, generic, dict(config, seed=seed)), torch=torch.__version__)
     save_checkpoint(out, model, tok, meta)
     print(f"saved {out} in {elapsed:.0f}s", flush=True)
     return out

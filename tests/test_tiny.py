@@ -173,3 +173,32 @@ def test_tiny_token_limits_fit_every_by_the_book_episode():
             for m in x["messages"]:
                 if m["role"] == "assistant":
                     assert len(tok(m["content"])["input_ids"]) < MAX_TURN_TOKENS, (d, m["content"])
+
+
+def test_the_committed_reference_base_is_current():
+    """assets/tiny-base, the reference base arena.sh starts from, was built by the code here: its recorded
+    fingerprint (envs.tiny.build_fingerprint: the corpus, the settings and the building code) is today's.
+    When this fails, the code that builds the base has changed: rebuild it with
+        python -m envs.tiny --out assets/tiny-base --overwrite
+    and redo the README's tiny tables from the new base."""
+    from common import read_meta
+    from envs.tiny import build_corpus, build_fingerprint
+    meta = read_meta(os.path.join(ROOT, "assets", "tiny-base"))
+    assert meta.get("method") == "base" and meta.get("fingerprint"), "assets/tiny-base is missing or has no fingerprint"
+    cfg = meta["config"]
+    chats, generic = build_corpus(cfg["n_demos"], cfg["noise"], meta["seed"], cfg["domains"] or None)
+    assert build_fingerprint(chats, generic, dict(cfg, seed=meta["seed"])) == meta["fingerprint"], \
+        "assets/tiny-base is stale: python -m envs.tiny --out assets/tiny-base --overwrite"
+
+
+def test_the_fingerprint_sees_the_corpus_the_settings_and_the_code(monkeypatch):
+    import envs.tiny as tiny
+    chats, generic = tiny.build_corpus(5, 0.5, 0, ["math"])
+    cfg = dict(steps=3000, seed=0)
+    ref = tiny.build_fingerprint(chats, generic, cfg)
+    assert tiny.build_fingerprint(chats, generic, cfg) == ref
+    assert tiny.build_fingerprint(chats, generic, dict(cfg, steps=2999)) != ref
+    other = [(g, json.loads(json.dumps(x).replace("boxed", "boxd"))) for g, x in chats]
+    assert tiny.build_fingerprint(other, generic, cfg) != ref
+    monkeypatch.setattr(tiny, "DRILL_DONE", 0.4)
+    assert tiny.build_fingerprint(chats, generic, cfg) != ref
