@@ -146,7 +146,9 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     per_task: each task's mean reward over seeds and samples, in task_ids' order: two checkpoints evaluated with
         the same tasks and seeds are compared task by task (paired_difference).
     gold: also score the model teacher-forced on the scripted expert's episodes of the same tasks (gold_likelihood;
-        tasks with an expert only, and only with the model in memory); deterministic, seconds.
+        tasks with an expert only, and only with the whole model in this process: an FSDP-sharded policy, which
+        train_seq's in-run evaluation hands over under --backend vllm on rank 0 alone, would wait for the other
+        ranks forever); deterministic, seconds.
     episodes: a dict to collect every scored episode into, {benchmark: [envs.rollout.episode_record, ...]}.
     The model is put in eval mode and its training mode restored; the global torch RNG is restored too, so
     evaluating in the middle of training does not change the training's random stream."""
@@ -190,7 +192,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "metrics": {m: statistics.mean(ms.get(m, 0.0) for ms in per_seed_metrics) for m in keys},
                     "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1),
                     "task_ids": [t.id for t in items], "per_task": per_task}
-                if gold and model is not None:
+                if gold and model is not None and not any(hasattr(p, "full_tensor") for p in model.parameters()):
                     ctx = getattr(model.config, "max_position_embeddings", None) or max_tokens   # the expert is never cut
                     g = gold_likelihood(model, tok, env, items, max_tokens=ctx, max_turn_tokens=ctx)
                     if g:

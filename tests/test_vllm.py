@@ -205,6 +205,11 @@ def test_torchrun_two_ranks_with_vllm(micro_dir, tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "step 2/2" in r.stdout and "'world_size': 2" in r.stdout
     assert os.path.isfile(os.path.join(runs, "seq", "1-if", "model.safetensors"))
+    # the in-run evaluation on rank 0 samples with the engine; the gold log-likelihood, which would need the
+    # sharded policy on rank 0 alone (a collective the other rank never joins), is left to evaluate.py
+    import json
+    rec = json.load(open(os.path.join(runs, "eval", "inrun", "seq-1-if.json")))
+    assert rec["benchmarks"] and not any("gold" in b for b in rec["benchmarks"].values())
 
 
 def test_evaluate_streams_checkpoints_into_one_engine(sharp, micro_dir, tmp_path):
