@@ -161,6 +161,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     max_turn_tokens = max_turn_tokens or defaults.get("max_turn_tokens", MAX_TURN_TOKENS)
     backend = backend or HFBackend(model, tok, batch)
     was_training = model.training if model is not None else False
+    gold = gold and model is not None and not any(hasattr(p, "full_tensor") for p in model.parameters())
     if model is not None:
         model.eval()
     results = {}
@@ -192,7 +193,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "metrics": {m: statistics.mean(ms.get(m, 0.0) for ms in per_seed_metrics) for m in keys},
                     "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1),
                     "task_ids": [t.id for t in items], "per_task": per_task}
-                if gold and model is not None and not any(hasattr(p, "full_tensor") for p in model.parameters()):
+                if gold:
                     ctx = getattr(model.config, "max_position_embeddings", None) or max_tokens   # the expert is never cut
                     g = gold_likelihood(model, tok, env, items, max_tokens=ctx, max_turn_tokens=ctx)
                     if g:
