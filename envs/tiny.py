@@ -16,8 +16,9 @@ Differences from the paper (which starts from Qwen3-8B-Base):
    (--loss-on all): at this size, copying (operands, names, ids) is learned from the prompts' and tool
    results' tokens too, and assistant-only loss left it unlearned for thousands of steps.
 2. Before that pre-training, an induction drill (random token sequences said three times, loss on the
-   repeats, lr 1e-2, until its loss is below 0.5 nats): without it the ~1M model never learns to copy by
-   position, and search sits at 0% EM (the README's base section has the measurements).
+   repeats, lr 1e-2, until its loss is below 0.5 nats; when a round of --drill-steps ends without that, another
+   re-warmed round on fresh sequences, up to 3): without it the ~1M model never learns to copy by position,
+   and search sits at 0% EM (the README's base section has the measurements).
 3. The chat template is Qwen3's format (<|im_start|>role ... <|im_end|>, <tool_call>, tool results as
    <tool_response> inside a user turn) but lists tools compactly, one `name(arg, ...)` line each,
    because the tiny model pays for every prompt token.
@@ -173,6 +174,7 @@ def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all",
 
 DEFAULT_MIX = {"ecommerce": 4.0}   # pre-training weight per group (1 for the others): see --mix
 DRILL_DONE = 0.5   # nats per repeated token: the copy circuit has formed (uniform guessing costs ~6.9)
+DRILL_ROUNDS = 3   # drill rounds of --drill-steps each before the build gives up
 
 
 def copy_rows(pool, n: int, seed: int):
@@ -264,7 +266,7 @@ def build_fingerprint(chats, generic, config: dict) -> str:
     import inspect
     h = hashlib.sha256()
     code = [train_tokenizer, model_config, corpus_tokenizer, encode_corpus, copy_rows, make_batches, pretrain, build_base]
-    for part in [CHAT_TEMPLATE, SPLIT, json.dumps(SIZES, sort_keys=True), str(DRILL_DONE)] + [inspect.getsource(f) for f in code]:
+    for part in [CHAT_TEMPLATE, SPLIT, json.dumps(SIZES, sort_keys=True), str(DRILL_DONE), str(DRILL_ROUNDS)] + [inspect.getsource(f) for f in code]:
         h.update(part.encode())
     h.update(json.dumps(config, sort_keys=True).encode())
     for doc in chats + generic:
@@ -298,12 +300,26 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     model = Qwen3ForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3 {size}, {n_params / 1e6:.2f}M parameters", flush=True)
-    drill_stop = 0
+    drill_stop, drill_loss = 0, None
     if drill_steps:   # phase 1: the drill alone, at a high lr, until copying forms (a sudden drop of its loss,
-        # whose step varies between runs: 550 in one, past 1,500 in another), then stop
-        print(f"induction drill: at most {drill_steps} steps at lr {drill_lr}, until its loss < {DRILL_DONE}", flush=True)
-        drill_stop = len(pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, seed), drill_steps,
-                                  batch_tokens, drill_lr, seed, stop_below=DRILL_DONE, name="drill"))
+        # whose step varies between runs and seeds: 550 in one, 1,007 for seed 0, past 3,000 for seed 1), then stop.
+        # A round that ends at its cap (its cosine schedule spent) is followed by another, re-warmed, on fresh
+        # sequences, from where the last one left off, up to DRILL_ROUNDS rounds.
+        print(f"induction drill: at most {DRILL_ROUNDS} x {drill_steps} steps at lr {drill_lr}, until its loss < "
+              f"{DRILL_DONE}", flush=True)
+        for r in range(DRILL_ROUNDS):   # round 1 is the drill every committed base was built with
+            rs = seed + 1000 * r   # round r's sequences and batch order
+            losses = pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, rs), drill_steps,
+                              batch_tokens, drill_lr, rs, stop_below=DRILL_DONE,
+                              name="drill" if r == 0 else f"drill round {r + 1}")
+            drill_stop += len(losses)
+            drill_loss = sum(losses[-50:]) / len(losses[-50:])
+            if drill_loss < DRILL_DONE:
+                break
+        else:
+            print(f"warning: the induction drill did not form copying in {DRILL_ROUNDS} x {drill_steps} steps (loss "
+                  f"{drill_loss:.2f} > {DRILL_DONE}): this base will hardly copy (search near 0% EM); acl_meta.json "
+                  "records drill_formed false", flush=True)
     print(f"pre-training: {steps} steps at lr {lr}", flush=True)
     losses = pretrain(model, rows, steps, batch_tokens, lr, seed, mix=mix)
     elapsed = time.time() - t0
@@ -313,6 +329,7 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed, config=config,
                 n_params=n_params, corpus_tokens=n_tok, final_loss=sum(losses[-50:]) / len(losses[-50:]),
                 build_seconds=round(elapsed, 1), drill_stopped_at=drill_stop,
+                drill_formed=None if drill_loss is None else drill_loss < DRILL_DONE,
                 fingerprint=build_fingerprint(chats, generic, dict(config, seed=seed)), torch=torch.__version__)
     save_checkpoint(out, model, tok, meta)
     print(f"saved {out} in {elapsed:.0f}s", flush=True)

@@ -105,9 +105,42 @@ def drill_build(tmp_path_factory):
 
 def test_build_base_with_the_drill(drill_build):
     out, r = drill_build
-    assert "induction drill: at most 10 steps" in r.stdout
-    cfg = json.loads((out / "acl_meta.json").read_text())["config"]
-    assert cfg["drill_steps"] == 10 and cfg["copy_docs"] == 30
+    assert "induction drill: at most 3 x 10 steps" in r.stdout
+    meta = json.loads((out / "acl_meta.json").read_text())
+    assert meta["config"]["drill_steps"] == 10 and meta["config"]["copy_docs"] == 30
+    # 10 steps never form copying: three rounds ran, the build says so and records it (the base is still saved)
+    assert "drill round 3 step    10/10" in r.stdout and "warning: the induction drill did not form copying" in r.stdout
+    assert meta["drill_stopped_at"] == 30 and meta["drill_formed"] is False
+
+
+def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
+    """A drill round that ends at its cap is followed by a re-warmed one on fresh sequences (seed + 1000 r), from
+    the same weights; the first round is exactly the one-round drill the committed base was built with (the same
+    sequences, the same seed), and a round that forms copying ends the drill."""
+    import envs.tiny as tiny
+    calls = []
+
+    def fake_pretrain(model, rows, steps, batch_tokens, lr, seed, stop_below=None, name="", **kw):
+        if stop_below is None:            # the pre-training after the drill
+            return [1.0] * steps
+        calls.append((name, seed, rows[0]))
+        formed = len(calls) == 2          # round 2 forms copying, after 7 steps
+        return [0.1] * 7 if formed else [3.0] * steps
+
+    real_copy_rows, drills = tiny.copy_rows, []
+    monkeypatch.setattr(tiny, "copy_rows", lambda pool, n, seed: drills.append((pool, n, seed)) or real_copy_rows(pool, n, seed))
+    monkeypatch.setattr(tiny, "pretrain", fake_pretrain)
+    import common
+    monkeypatch.setattr(common, "save_checkpoint", lambda out, model, tok, meta: calls.append(("meta", meta)))
+    tiny.build_base(str(tmp_path / "b"), steps=2, seed=5, size="micro", n_demos=5, vocab_size=400, threads=1,
+                    drill_steps=20)
+    names = [c[0] for c in calls[:-1]]
+    assert names == ["drill", "drill round 2"] and [c[1] for c in calls[:-1]] == [5, 1005]
+    (pool, n, s1), (pool2, _, s2) = drills
+    assert pool == pool2 == list(range(10, pool[-1] + 1)) and n == 800 and (s1, s2) == (5, 1005)
+    assert calls[0][2] == real_copy_rows(pool, 800, 5)[0] != calls[1][2] == real_copy_rows(pool, 800, 1005)[0]
+    meta = calls[-1][1]
+    assert meta["drill_stopped_at"] == 27 and meta["drill_formed"] is True
 
 
 def test_build_prints_progress_with_eta(drill_build):
