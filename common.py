@@ -396,6 +396,16 @@ def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict
     return write_atomically(out_dir, write)
 
 
+def tokenizer_hash(path: str) -> str:
+    """A fingerprint of a checkpoint's tokenizer (its vocabulary and special tokens): two checkpoints whose token ids
+    mean the same tokens have the same one."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    return hashlib.sha256(json.dumps([sorted(tok.get_vocab().items()), tok.all_special_tokens]).encode()).hexdigest()
+
+
 def read_meta(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, "acl_meta.json")
     if not os.path.isfile(path):

@@ -68,6 +68,13 @@ class Env:
         (an HF dataset id or a local file; None: the benchmark's default), the first n (None: all)."""
         raise UsageError(f"the {self.domain or type(self).__name__} environment has no benchmark {name!r}")
 
+    def compliant(self, state: EpisodeState) -> bool:
+        """Did a finished episode keep this environment's protocol (SDFT's third filter)? Here: it ended by itself,
+        not cut at the turn or token limit; each domain adds its own rules (a final answer in its format and nothing
+        after it, a confirmation before every write, no tool call where there are no tools). Read from the
+        transcript alone (state.messages, state.task, state.truncated), so a saved episode can be checked too."""
+        return not state.truncated
+
     def expert(self, task: Task) -> list | None:
         """Tiny arena: the assistant texts of a clean by-the-book episode of `task`, turn by turn (the worlds'
         scripted expert, the tiny counterpart of a stronger model's rollouts), or None where there is no script
@@ -122,6 +129,47 @@ def well_formed(messages) -> bool:
     at the turn limit after the task was done still counts: its reward says whether it ended right."""
     return not any(parse_tool_calls(m["content"])[1] for m in messages
                    if m.get("role") == "assistant" and "<tool_call>" in (m.get("content") or ""))
+
+
+def check_arguments(schema: dict, args: dict) -> str | None:
+    """None if a call's `args` fit its tool's JSON schema (OpenAI function format: no unknown or missing names,
+    the right JSON types, array items of the right type), else the problem in one line."""
+    params = schema["function"]["parameters"]
+    props = params.get("properties", {})
+    for k in args:
+        if k not in props:
+            return f"unexpected argument {k[:40]!r}"
+    for k in params.get("required", []):
+        if k not in args:
+            return f"missing argument {k!r}"
+    for k, v in args.items():
+        spec = props[k]
+        if not _json_type(v, spec.get("type")):
+            return f"argument {k!r} must be " + ("an array of strings" if spec.get("type") == "array" and
+                                                 spec.get("items", {}).get("type") == "string" else f"a {spec.get('type')}")
+        if spec.get("type") == "array" and "items" in spec and not all(_json_type(x, spec["items"].get("type")) for x in v):
+            return f"argument {k!r} must be an array of {spec['items'].get('type')}s"
+    return None
+
+
+def _json_type(v, kind) -> bool:
+    return {"string": lambda: isinstance(v, str), "integer": lambda: isinstance(v, int) and not isinstance(v, bool),
+            "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "boolean": lambda: isinstance(v, bool), "array": lambda: isinstance(v, list),
+            "object": lambda: isinstance(v, dict), None: lambda: True}.get(kind, lambda: False)()
+
+
+def valid_tool_calls(messages, tools) -> bool:
+    """SDFT's second filter, stricter than well_formed: every tool call of every assistant turn is valid JSON,
+    names a tool of `tools` (the task's schemas; None: no tool exists) and has arguments that fit its schema."""
+    schemas = {t["function"]["name"]: t for t in tools or []}
+    for m in messages:
+        if m.get("role") != "assistant" or "<tool_call>" not in (m.get("content") or ""):
+            continue
+        calls, errors = parse_tool_calls(m["content"])
+        if errors or any(name not in schemas or check_arguments(schemas[name], args) for name, args in calls):
+            return False
+    return True
 
 
 def tool_call_text(name: str, arguments: dict) -> str:

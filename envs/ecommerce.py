@@ -31,7 +31,17 @@ import re
 import sys
 import urllib.request
 
-from envs.base import SPLITS, Env, Task, UsageError, function_schema, parse_tool_calls, tool_call_text, tool_message
+from envs.base import (
+    SPLITS,
+    Env,
+    Task,
+    UsageError,
+    check_arguments,
+    function_schema,
+    parse_tool_calls,
+    tool_call_text,
+    tool_message,
+)
 
 STOP = "###STOP###"
 MAX_CALLS_PER_TURN = 8
@@ -376,31 +386,12 @@ WRITES = {"cancel_pending_order", "modify_pending_order_address", "modify_pendin
           "exchange_delivered_order_items", "suspend_line", "resume_line", "change_plan", "add_data"}
 
 
-def _check_args(schema, args):
-    """None if `args` fit the schema (no unknown or missing names, right JSON types), else the problem."""
-    params = schema["function"]["parameters"]
-    for k in args:
-        if k not in params["properties"]:
-            return f"unexpected argument {k[:40]!r}"
-    for k in params["required"]:
-        if k not in args:
-            return f"missing argument {k!r}"
-    for k, v in args.items():
-        kind = params["properties"][k]["type"]
-        ok = {"string": isinstance(v, str),
-              "integer": isinstance(v, int) and not isinstance(v, bool),
-              "array": isinstance(v, list) and all(isinstance(x, str) for x in v)}[kind]
-        if not ok:
-            return f"argument {k!r} must be {'an array of strings' if kind == 'array' else 'a ' + kind}"
-    return None
-
-
 def run_tool(world, db, name, args):
     """(text, ok) of one call on `db` (changed in place for write tools); never raises on model input."""
     if name not in TOOLS[world]:
         return f"Error: unknown tool {name[:40]!r}", False
     fn, schema = TOOLS[world][name]
-    problem = _check_args(schema, args)
+    problem = check_arguments(schema, args)
     if problem:
         return f"Error: {problem}", False
     try:
@@ -1022,6 +1013,30 @@ class EcommerceEnv(Env):
         return success, {"success": success, "db_match": float(db_match), "outputs_ok": float(outputs_ok),
                          "tool_calls": float(info["tool_calls"]), "tool_errors": float(info["tool_errors"]),
                          "turns": float(state.turns), "user_error": float(info["user_error"])}
+
+    def compliant(self, state):
+        """By the book: every write comes after the user said yes to a confirmation the agent asked for since the
+        previous write (one yes, one change), and the episode ended properly (the user stopped, or the agent
+        transferred to a human), not cut at a limit."""
+        if state.truncated:
+            return False
+        asked = confirmed = ended = False
+        for m in state.messages[len(state.task.messages):]:
+            text = str(m.get("content") or "")
+            if m.get("role") == "assistant":
+                calls, _ = parse_tool_calls(text)
+                if not calls:
+                    asked = "confirm" in text.lower() or "yes/no" in text.lower()
+                for name, _ in calls:
+                    if name in WRITES:
+                        if not confirmed:
+                            return False
+                        confirmed = False
+                    ended = ended or name == "transfer_to_human_agents"
+            elif m.get("role") == "user":
+                confirmed = confirmed or (asked and re.match(r"\s*yes\b", text.lower()) is not None)
+                asked, ended = False, ended or STOP in text
+        return ended
 
     def expert(self, task):
         return expert_turns(task) if task.gold.get("kind") not in (None, "real") else None

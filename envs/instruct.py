@@ -759,6 +759,11 @@ class IFEnv(Env):
                    "inst_followed_loose": float(sum(r["loose"])), "truncated": float(state.truncated)}
         return metrics["prompt_strict"], metrics
 
+    def compliant(self, state):
+        """One non-empty reply and no tool call (this domain has no tools)."""
+        replies = [m.get("content") or "" for m in state.messages if m.get("role") == "assistant"]
+        return not state.truncated and len(replies) == 1 and bool(replies[0].strip()) and "<tool_call>" not in replies[0]
+
     def expert(self, task):
         return [task.gold["reference"]] if task.gold.get("reference") else None
 

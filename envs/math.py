@@ -415,6 +415,15 @@ class MathEnv(Env):
         acc = 0.0 if state.truncated else grade(text, state.task.gold)
         return acc, {"acc": acc, "boxed": boxed}
 
+    def compliant(self, state: EpisodeState) -> bool:
+        """One reply, no tool call, ending in its \\boxed{} answer: nothing after it but spaces or a full stop."""
+        replies = [m.get("content") or "" for m in state.messages if m.get("role") == "assistant"]
+        if state.truncated or len(replies) != 1 or "<tool_call>" in replies[0]:
+            return False
+        text, inner = replies[0], last_boxed(replies[0])
+        end = text.rfind("\\boxed{") + len("\\boxed{") + len(inner or "") + 1
+        return inner is not None and not text[end:].strip(" \n.$")
+
     def expert(self, task: Task) -> list | None:
         return [expert_working(task.gold["expr"])] if task.gold.get("expr") else None
 

@@ -435,6 +435,17 @@ class SearchEnv(Env):
         return em, {"em": em, "f1": f1, "searches": float(state.info.get("searches", 0)),
                     "answered": float(answer is not None)}
 
+    def compliant(self, state: EpisodeState) -> bool:
+        """Searches, then a final turn with <answer>...</answer>, no tool call and nothing after the answer (not an
+        episode that ran out of turns while still searching)."""
+        turns = [m.get("content") or "" for m in state.messages if m.get("role") == "assistant"]
+        if state.truncated or not turns:
+            return False
+        last = turns[-1]
+        after = last[last.rfind("</answer>") + len("</answer>"):]
+        return "<tool_call>" not in last and last_answer(last) is not None and not after.strip() \
+            and all("<tool_call>" in t for t in turns[:-1])
+
     def expert(self, task: Task) -> list | None:
         """Tiny world: search every name on the question's path (the second hop's name is in the first
         result), then answer, as the demos do."""
