@@ -52,14 +52,17 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # the best worst-domain val score relative to the oracles, same grid (~3 min)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" \
     --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} --out "$RUNS/merge/balanced"
-# 6. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
+# 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
+#    their balanced union, from the base -> runs/tiny/sdft (~8 min)
+$RUN sdft.py --preset "$ARENA" $TRAIN_ARGS
+# 7. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
 python analyze.py --runs "$RUNS" --base "$BASE"
-# 7. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge; the accuracy matrix
-#    with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~25 min: 12 checkpoints x ~2.1 min)
+# 8. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge, SDFT; the accuracy
+#    matrix with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~27 min: 13 checkpoints x ~2.1 min)
 python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/base" "${STAGES[@]}" \
-    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* | tee "$RUNS/scores.md"
-# 8. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
-#    like step 7 (its base row is step 7's), then the accuracy matrices as mean ± std over training seeds
+    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* "$RUNS/sdft" | tee "$RUNS/scores.md"
+# 9. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
+#    like step 8 (its base row is step 8's), then the accuracy matrices as mean ± std over training seeds
 #    (~17 min a seed)
 if [ "$ARENA" = tiny ] && [ "$SEEDS" -gt 1 ]; then
     ALL=("$RUNS")

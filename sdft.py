@@ -6,7 +6,7 @@ once instead of one after another.
     python sdft.py --pool runs/tiny/sdft-pool --student runs/tiny/seq/4-if --out runs/tiny/sdft-seqfinal
     python sdft.py --pool runs/tiny/sdft-pool --mix proportional --order graded --out runs/tiny/sdft-ablation/p-g
     torchrun --standalone --nproc_per_node=2 sdft.py --out runs/tiny/sdft-dist    # FSDP2, 2 CPU ranks (gloo)
-    torchrun --nproc_per_node=8 sdft.py --preset qwen3-8b                         # full scale (vLLM rollouts)
+    torchrun --nproc_per_node=8 sdft.py --preset qwen3-8b --math-data ... --user-url ...   # full scale (vLLM)
 
 1. Collect (skipped with --pool DIR): each domain's oracle (runs/<preset>/oracle/<domain>, or --oracles
    domain=DIR,...) samples --group trajectories for each of --prompts train prompts through envs/rollout.py
@@ -79,7 +79,7 @@ from common import (
     world_size,
     write_atomically,
 )
-from envs import DOMAINS, load_envs, parse_domains, per_domain
+from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain
 from envs.base import EpisodeState, read_jsonl, valid_tool_calls
 from envs.rollout import Episode, episode_record, make_backend, rollout
 from train_step import Cursor, add_scale_flags, add_step_flags, check_shared_flags, dry_run, sft_loss, train_on
@@ -338,6 +338,7 @@ def get_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace an sdft checkpoint made with another recipe")
     add_scale_flags(p, name)
     add_step_flags(p, name)
+    add_data_flags(p, train=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)
@@ -429,7 +430,7 @@ def main(argv=None):
             dry_run(a, a.student, a.world_size, a.micro_batch, a.max_tokens)
             return
         collecting = not a.pool and not os.path.isfile(os.path.join(a.pool_dir, "pool.json"))
-        envs = load_envs(a.domains, {}, a.seed) if collecting else None
+        envs = load_envs(a.domains, env_options(a), a.seed) if collecting else None
     except UsageError as e:
         usage_exit(e)
     if a.threads:

@@ -16,8 +16,8 @@ Differences from the paper (which starts from Qwen3-8B-Base):
    (--loss-on all): at this size, copying (operands, names, ids) is learned from the prompts' and tool
    results' tokens too, and assistant-only loss left it unlearned for thousands of steps.
 2. Before that pre-training, an induction drill (random token sequences said three times, loss on the
-   repeats, lr 1e-2, until its loss is below 0.5 nats; when a round of --drill-steps ends without that, another
-   re-warmed round on fresh sequences, up to 3): without it the ~1M model never learns to copy by position,
+   repeats, lr 1e-2, until its loss is below 0.5 nats; when a round of --drill-steps ends without that, a restart
+   from a fresh initialisation on fresh sequences, up to 3 rounds): without it the ~1M model never learns to copy by position,
    and search sits at 0% EM (the README's base section has the measurements).
 3. The chat template is Qwen3's format (<|im_start|>role ... <|im_end|>, <tool_call>, tool results as
    <tool_response> inside a user turn) but lists tools compactly, one `name(arg, ...)` line each,
@@ -302,13 +302,17 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     print(f"model: Qwen3 {size}, {n_params / 1e6:.2f}M parameters", flush=True)
     drill_stop, drill_loss = 0, None
     if drill_steps:   # phase 1: the drill alone, at a high lr, until copying forms (a sudden drop of its loss,
-        # whose step varies between runs and seeds: 550 in one, 1,007 for seed 0, past 3,000 for seed 1), then stop.
-        # A round that ends at its cap (its cosine schedule spent) is followed by another, re-warmed, on fresh
-        # sequences, from where the last one left off, up to DRILL_ROUNDS rounds.
+        # whose step varies between runs and seeds: 550 in one, 1,007 for seed 0, never for seed 1), then stop.
+        # A round that ends at its cap is a failed start: seed 1's stalled at a loss of ~2.1, and a second round
+        # re-warmed from there stalled too (2.14 after 1,350 more steps). So the next round starts over, from a
+        # fresh initialisation (seed + 1000 r) on fresh sequences: a random restart, up to DRILL_ROUNDS rounds.
         print(f"induction drill: at most {DRILL_ROUNDS} x {drill_steps} steps at lr {drill_lr}, until its loss < "
               f"{DRILL_DONE}", flush=True)
         for r in range(DRILL_ROUNDS):   # round 1 is the drill every committed base was built with
-            rs = seed + 1000 * r   # round r's sequences and batch order
+            rs = seed + 1000 * r   # round r's initialisation, sequences and batch order
+            if r > 0:
+                torch.manual_seed(rs)
+                model = Qwen3ForCausalLM(cfg)
             losses = pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, rs), drill_steps,
                               batch_tokens, drill_lr, rs, stop_below=DRILL_DONE,
                               name="drill" if r == 0 else f"drill round {r + 1}")

@@ -114,16 +114,17 @@ def test_build_base_with_the_drill(drill_build):
 
 
 def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
-    """A drill round that ends at its cap is followed by a re-warmed one on fresh sequences (seed + 1000 r), from
-    the same weights; the first round is exactly the one-round drill the committed base was built with (the same
-    sequences, the same seed), and a round that forms copying ends the drill."""
+    """A drill round that ends at its cap is followed by a random restart: a fresh initialisation and fresh
+    sequences (seed + 1000 r); the first round is exactly the one-round drill the committed base was built with (the
+    same model, sequences and seed), and a round that forms copying ends the drill."""
     import envs.tiny as tiny
-    calls = []
+    calls, models = [], []
 
     def fake_pretrain(model, rows, steps, batch_tokens, lr, seed, stop_below=None, name="", **kw):
         if stop_below is None:            # the pre-training after the drill
             return [1.0] * steps
         calls.append((name, seed, rows[0]))
+        models.append(model)
         formed = len(calls) == 2          # round 2 forms copying, after 7 steps
         return [0.1] * 7 if formed else [3.0] * steps
 
@@ -141,6 +142,9 @@ def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
     assert calls[0][2] == real_copy_rows(pool, 800, 5)[0] != calls[1][2] == real_copy_rows(pool, 800, 1005)[0]
     meta = calls[-1][1]
     assert meta["drill_stopped_at"] == 27 and meta["drill_formed"] is True
+    # round 2 drilled a fresh model, initialised from seed + 1000, not round 1's
+    a, b = (dict(m.named_parameters())["model.layers.0.mlp.up_proj.weight"] for m in models)
+    assert models[0] is not models[1] and not torch.equal(a, b)
 
 
 def test_build_prints_progress_with_eta(drill_build):
