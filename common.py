@@ -265,16 +265,17 @@ def recipe_file(state: str) -> str:
     return (state[: -len(".pt")] if state.endswith(".pt") else state) + ".json"
 
 
-def check_run_files(out: str, recipe: dict, also=()):
+def check_run_files(out: str, recipe: dict, also=(), replace: bool = False):
     """UsageError unless what lies in out's place belongs to a run with `recipe`: the finished checkpoint (and the
-    ones in `also`), a resume state, and no divergence marker (a run that diverged is not continued)."""
+    ones in `also`; with `replace`, a finished `out` of another recipe is let through, to be replaced), a resume
+    state, and no divergence marker (a run that diverged is not continued)."""
     state, state_recipe, diverged = run_files(out)
     if os.path.isfile(diverged):
         with open(diverged) as f:
             why = json.load(f).get("reason")
         raise UsageError(f"{out} diverged in an earlier run ({why}); change the recipe under another --runs, or "
                          f"delete {diverged} to try again")
-    for path in [out, *also]:
+    for path in [*([] if replace else [out]), *also]:
         meta = read_meta(path)
         if meta and meta.get("recipe") != recipe:
             raise UsageError(f"{path} was made with another recipe or from another parent; use another --runs or "

@@ -476,7 +476,7 @@ def main(argv=None):
         teardown()
         return
     try:
-        check_run_files(a.out, rec)
+        check_run_files(a.out, rec, replace=a.overwrite)
     except UsageError as e:
         usage_exit(e)
     seed_all(a.seed)

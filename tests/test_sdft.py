@@ -258,6 +258,12 @@ def test_a_run_on_a_pool_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_s
     a, b = load_file(os.path.join(whole, "model.safetensors")), load_file(os.path.join(killed, "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not os.path.exists(os.path.join(str(tmp_path), ".resume-killed.pt"))
+    # another recipe into a finished student: refused, unless --overwrite
+    r = run([*common_args, "--out", whole, "--lr", "5e-4"])
+    assert r.returncode == 2 and "another recipe" in r.stderr and "--overwrite" in r.stderr
+    r = run([*common_args, "--out", whole, "--lr", "5e-4", "--overwrite", "--steps", "1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.load(open(os.path.join(whole, "acl_meta.json")))["recipe"]["lr"] == 5e-4
 
 
 def test_bad_input_stops_with_one_line_before_anything_is_written(pool, student, tmp_path, tok):
