@@ -53,6 +53,7 @@ import torch.distributed as dist
 from common import (
     Parser,
     UsageError,
+    all_reduce_max,
     all_reduce_sum,
     check_output,
     check_run_files,
@@ -173,9 +174,10 @@ def collect(a, envs, device) -> tuple:
         mine = tasks[rank()::world_size()]
         backend, engine = make_backend(a.backend, a.tok, oracle, device=device, gen_batch=a.gen_batch, bf16=a.bf16,
                                        gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed, attn=a.attn)
+        t_gen = time.time()   # the sampling alone (loading the oracle and the train prompts is not the backend's speed)
         eps = rollout(backend, a.tok, [(env, t) for t in mine], a.group, a.temperature, max_tokens=a.max_tokens,
                       max_turn_tokens=a.max_turn_tokens, seed=a.seed * 7919 + rank())
-        dt = time.time() - t0
+        dt, gen = time.time() - t0, all_reduce_max(time.time() - t_gen)
         n_tok = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
         del backend, engine
         counts, records = dict.fromkeys(FILTERS, 0), []
@@ -188,9 +190,11 @@ def collect(a, envs, device) -> tuple:
         records = sorted(gather(records), key=lambda r: (order[r["task_id"]], r["sample"]))
         funnel = dict(generated=len(tasks) * a.group, **{k: int(all_reduce_sum(v)) for k, v in counts.items()},
                       prompts=len(tasks), prompts_kept=len({r["task_id"] for r in records}),
-                      sampled_tokens=int(n_tok), seconds=round(dt, 1), tok_per_s=round(n_tok / max(dt, 1e-9), 1))
+                      sampled_tokens=int(n_tok), seconds=round(dt, 1), gen_seconds=round(gen, 1),
+                      tok_per_s=round(n_tok / max(gen, 1e-9), 1))
         print0(f"[sdft] {d}: {len(tasks)} prompts x {a.group} from {oracle}: {funnel['correct']} correct, "
-               f"{funnel['distinct']} kept | {n_tok / max(dt, 1e-9):.0f} sampled tok/s, {dt:.0f}s")
+               f"{funnel['distinct']} kept | {n_tok / max(gen, 1e-9):.0f} sampled tok/s ({gen:.0f}s sampling, "
+               f"{dt:.0f}s in all)")
         pools[d], funnels[d] = records, funnel
     return pools, funnels
 
