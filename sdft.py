@@ -391,9 +391,9 @@ def check_args(a):
                 raise UsageError(f"no oracle for {d}: {path} is not a checkpoint (train it with python train_seq.py "
                                  f"--oracle, or pass --oracles {d}=DIR, or --pool DIR)")
         tokenizers = {f"the {d} oracle {p}": tokenizer_hash(p) for d, p in a.oracles.items()}
-    mine = tokenizer_hash(a.student)
+    a.tokenizer = tokenizer_hash(a.student)   # the oracles' too, once checked: the pool records it
     for what, h in tokenizers.items():
-        if h != mine:
+        if h != a.tokenizer:
             raise UsageError(f"--student {a.student} has another tokenizer than {what}: its token ids would mean "
                              f"other tokens")
     check_output(a.out, "sdft", inputs=[a.student, *a.oracles.values(), a.pool_dir], overwrite=True)
@@ -448,7 +448,7 @@ def main(argv=None):
     if collecting:
         from transformers import AutoTokenizer
         a.tok = AutoTokenizer.from_pretrained(a.oracles[a.domains[0]])
-        pools, funnels = collect(a, envs, device)
+        records, funnels = collect(a, envs, device)
         print_funnel(funnels)
         for d, f in funnels.items():
             empty = next((k for k in FILTERS if f[k] == 0), None)
@@ -456,8 +456,8 @@ def main(argv=None):
                 sys.exit(f"error: the {empty!r} filter left no {d} episode ({f['generated']} generated; funnel "
                          f"{' -> '.join(str(f[k]) for k in FILTERS)}); nothing written")
         if rank() == 0:
-            write_pool(a.pool_dir, pools, dict(format=POOL_FORMAT, domains=a.domains, recipe=pool_recipe(a),
-                                               funnel=funnels, tokenizer=tokenizer_hash(a.oracles[a.domains[0]]),
+            write_pool(a.pool_dir, records, dict(format=POOL_FORMAT, domains=a.domains, recipe=pool_recipe(a),
+                                               funnel=funnels, tokenizer=a.tokenizer,
                                                seconds=round(time.time() - t0, 1)))
             print0(f"[sdft] pool written: {a.pool_dir}")
         if sharded():
