@@ -1,6 +1,6 @@
 """Why agents forget: the paper's two diagnostic views for any set of checkpoints.
 
-    python analyze.py                                   # the tiny arena: every stage, oracle and merge in runs/tiny
+    python analyze.py                                   # the tiny arena: stages, oracles, merges, SDFT, MMOPD
     python analyze.py --base runs/tiny/base --ckpts runs/tiny/seq/[0-9]* runs/tiny/oracle/* \\
         --ref runs/tiny/seq/1-math --out runs/tiny/analysis
 
@@ -298,9 +298,11 @@ def plot_consistency(tok: dict, path):
 # ----------------------------------------------------------------------------- command line
 
 def default_ckpts(runs: str) -> list:
-    """The tiny arena's checkpoints that exist: sequential stages (with their -rft cold starts), oracles, merges."""
+    """The tiny arena's checkpoints that exist: sequential stages (with their -rft cold starts), oracles, merges,
+    and the SDFT and MMOPD consolidators."""
     out = sorted(glob.glob(os.path.join(runs, "seq", "[0-9]-*")))
     out += sorted(glob.glob(os.path.join(runs, "oracle", "*"))) + sorted(glob.glob(os.path.join(runs, "merge", "*")))
+    out += [os.path.join(runs, m) for m in ("sdft", "mmopd")]
     return [p for p in out if is_checkpoint(p)]
 
 
@@ -308,7 +310,7 @@ def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="runs/tiny", help="run directory: defaults for the flags below")
     p.add_argument("--base", default=None, help="theta_base (default <runs>/base)")
-    p.add_argument("--ckpts", nargs="+", default=None, help="checkpoints (default: every stage, oracle and merge in --runs)")
+    p.add_argument("--ckpts", nargs="+", default=None, help="checkpoints (default: every stage, oracle, merge, SDFT and MMOPD in --runs)")
     p.add_argument("--ref", default=None, help="token level: the reference (default <runs>/seq/1-math)")
     p.add_argument("--domain", default=None, help="token level: the reference's domain (default: the stage its "
                                                   "acl_meta.json names)")

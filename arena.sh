@@ -55,12 +55,15 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
 #    their balanced union, from the base -> runs/tiny/sdft (~8 min)
 $RUN sdft.py --preset "$ARENA" $TRAIN_ARGS
+# 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
+#    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~8 min)
+$RUN mmopd.py --preset "$ARENA" $TRAIN_ARGS
 # 7. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
 python analyze.py --runs "$RUNS" --base "$BASE"
-# 8. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge, SDFT; the accuracy
-#    matrix with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~27 min: 13 checkpoints x ~2.1 min)
+# 8. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge, SDFT, MMOPD; the accuracy
+#    matrix with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~29 min: 14 checkpoints x ~2.1 min)
 python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/base" "${STAGES[@]}" \
-    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* "$RUNS/sdft" | tee "$RUNS/scores.md"
+    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" | tee "$RUNS/scores.md"
 # 9. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
 #    like step 8 (its base row is step 8's), then the accuracy matrices as mean ± std over training seeds
 #    (~17 min a seed)

@@ -83,7 +83,16 @@ from common import (
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain
 from envs.base import EpisodeState, read_jsonl, valid_tool_calls
 from envs.rollout import Episode, episode_record, make_backend, rollout
-from train_step import Cursor, add_scale_flags, add_step_flags, check_shared_flags, dry_run, sft_loss, train_on
+from train_step import (
+    Cursor,
+    add_scale_flags,
+    add_step_flags,
+    check_shared_flags,
+    dry_run,
+    mix_quota,
+    sft_loss,
+    train_on,
+)
 
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", prompts="math=64,search=64,ecommerce=32,if=64", group=8, dedup_threshold=0.9,
@@ -261,19 +270,6 @@ def read_pool(path: str, domains) -> dict:
 
 
 # ----------------------------------------------------------------------------- 4. the batches
-
-def mix_quota(mix, sizes: dict, batch: int) -> dict:
-    """Episodes per domain in a batch of `batch`: balanced (equal), proportional (to pool sizes) or the weights of
-    --mix w1,w2,... in --domains order, rounded by largest remainder so that they sum to `batch`."""
-    ds = list(sizes)
-    w = {d: 1.0 for d in ds} if mix == "balanced" else {d: float(sizes[d]) for d in ds} if mix == "proportional" \
-        else dict(zip(ds, mix))
-    raw = {d: batch * w[d] / sum(w.values()) for d in ds}
-    q = {d: int(math.floor(raw[d])) for d in ds}
-    for d in sorted(ds, key=lambda d: raw[d] - q[d], reverse=True)[: batch - sum(q.values())]:
-        q[d] += 1
-    return q
-
 
 def stream(eps: list, order: str, rng: random.Random):
     """An endless walk over one domain's episodes, epoch after epoch: a fresh shuffle each epoch, or (graded) from

@@ -77,6 +77,7 @@ from train_step import (
     add_scale_flags,
     add_step_flags,
     check_shared_flags,
+    clipped_surrogate,
     dry_run,
     episode_logprobs,
     keep_successes,
@@ -94,20 +95,15 @@ def grpo_loss(logp, b, x, a):
     batch: logp itself, detached); x["ref"]: the reference model's (absent without --kl-coef).
     -> (loss, {"clip": 1 where the PPO ratio is outside the clip range})."""
     old = x["old"] if "old" in x else logp.detach()
-    ratio = torch.exp(logp - old)                                        # GRPO: one PPO ratio per token
+    log_ratio = logp - old                                               # GRPO: one PPO ratio per token
     if a.loss == "gspo":   # GSPO: one ratio per sequence, exp of its mean token log-ratio (on every token of it,
         m = b["mask"]      # value s_i and gradient s_i * d log p_t: GSPO-token), so the clip acts per sequence
         seq = ((logp - old) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)     # (B, 1)
-        ratio = torch.exp(seq.detach() + logp - logp.detach())
-    adv = x["adv"]
-    surr = torch.minimum(ratio * adv, ratio.clamp(1 - a.clip_low, 1 + a.clip_high) * adv)
-    # truncated importance weight for the sampler/trainer mismatch (bf16 vLLM vs FSDP): 1 when they agree
-    tis = torch.exp(old - b["slp"]).clamp(max=a.tis_cap).detach()
-    loss = -surr * tis
+        log_ratio = seq.detach() + logp - logp.detach()
+    loss, clipped = clipped_surrogate(log_ratio, x["adv"], old, b["slp"], a.clip_low, a.clip_high, a.tis_cap)
     if "ref" in x and a.kl_coef > 0:
         d = (x["ref"] - logp) * b["mask"]                                # 0 past the episode's end (zero-padded ref)
         loss = loss + a.kl_coef * (torch.exp(d) - d - 1)                 # k3 estimator of KL(pi || ref)
-    clipped = ((ratio < 1 - a.clip_low) | (ratio > 1 + a.clip_high)).float().detach()
     return loss, {"clip": clipped}
 
 

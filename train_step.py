@@ -146,34 +146,41 @@ def pack(episodes, pad_id: int) -> dict:
     return dict(p_ids=p_ids, p_attn=p_attn, rows=torch.tensor(rows), c_ids=c_ids, c_attn=c_attn, mask=mask, slp=slp)
 
 
-def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096):
-    """log softmax(logits / temperature) at the targets: (B, T, V), (B, T) -> (B, T). Computed a time chunk of
-    about chunk_tokens tokens at a time, each chunk checkpointed: its float32 copy, log-softmax and gradient
-    are rebuilt in the backward pass instead of kept, so the logits are held once, at their own dtype (about
-    2 bytes per vocabulary entry under bf16, and their gradient, instead of ~10 bytes; for 4 x 8192 tokens of
-    Qwen3-8B, 46 -> 24 GiB per rank).
+def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096, extra_ids=None):
+    """log softmax(logits / temperature) at the targets: (B, T, V), (B, T) -> (B, T); with extra_ids (B, T, k), also
+    the log-probs at those ids -> ((B, T), (B, T, k)) (a distillation loss reads the policy at a teacher's top
+    tokens). Computed a time chunk of about chunk_tokens tokens at a time, each chunk checkpointed: its float32
+    copy, log-softmax and gradient are rebuilt in the backward pass instead of kept, so the logits are held once,
+    at their own dtype (about 2 bytes per vocabulary entry under bf16, and their gradient, instead of ~10 bytes;
+    for 4 x 8192 tokens of Qwen3-8B, 46 -> 24 GiB per rank).
     Values and gradients equal the one-piece computation up to float rounding (tested)."""
-    def piece(x, y):
+    def piece(x, y, z=None):
         x = x.float()
         if temperature > 0 and temperature != 1.0:
             x = x / temperature
-        return -torch.nn.functional.cross_entropy(x.transpose(1, 2), y, reduction="none")
+        if z is None:
+            return -torch.nn.functional.cross_entropy(x.transpose(1, 2), y, reduction="none")
+        lse = torch.logsumexp(x, -1, keepdim=True)                                # (B, t, 1)
+        return x.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1), x.gather(-1, z) - lse
     step = max(1, chunk_tokens // max(1, logits.size(0)))
+    args = (logits, targets) if extra_ids is None else (logits, targets, extra_ids)
     if logits.size(1) <= step:
-        return piece(logits, targets)
+        return piece(*args)
     from torch.utils.checkpoint import checkpoint
     out = []
     for s in range(0, logits.size(1), step):
-        x, y = logits[:, s: s + step], targets[:, s: s + step]
-        out.append(checkpoint(piece, x, y, use_reentrant=False) if x.requires_grad else piece(x, y))
-    return torch.cat(out, 1)
+        chunk = [t[:, s: s + step] for t in args]
+        out.append(checkpoint(piece, *chunk, use_reentrant=False) if logits.requires_grad else piece(*chunk))
+    if extra_ids is None:
+        return torch.cat(out, 1)
+    return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
 
 
-def token_logprobs(model, b: dict, temperature: float = 1.0):
+def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None):
     """(B, Tc) log-prob of every completion token, logits divided by the sampling temperature so trainer
-    and sampler score the same distribution. Each distinct prompt runs once and its KV cache is shared by
-    its samples (the gradients of all of them flow back into it); under activation checkpointing, which
-    has no cache, prompt and completion run as one sequence."""
+    and sampler score the same distribution; with extra_ids (B, Tc, k) also the log-probs at those ids, (B, Tc, k).
+    Each distinct prompt runs once and its KV cache is shared by its samples (the gradients of all of them flow
+    back into it); under activation checkpointing, which has no cache, prompt and completion run as one sequence."""
     p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
     if checkpoints_activations(model):
         ids, attn = torch.cat([p_ids[rows], c_ids], 1), torch.cat([p_attn[rows], c_attn], 1)   # (B, Tp + Tc)
@@ -181,7 +188,7 @@ def token_logprobs(model, b: dict, temperature: float = 1.0):
         # logits only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
                        logits_to_keep=c_ids.size(1) + 1).logits[:, :-1]                       # (B, Tc, V)
-        return selected_logprobs(logits, c_ids, temperature)
+        return selected_logprobs(logits, c_ids, temperature, extra_ids=extra_ids)
     from transformers import DynamicCache
     cache = DynamicCache()
     kv = {cache_kwarg(model): cache}
@@ -193,8 +200,13 @@ def token_logprobs(model, b: dict, temperature: float = 1.0):
     pos = p_attn.sum(-1)[rows, None] + torch.arange(c_ids.size(1), device=c_ids.device)       # (B, Tc)
     out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv).logits
     # position t predicts c_ids[:, t]: the prompt's last logits for t = 0, the completion's own after that
-    return torch.cat([selected_logprobs(last[rows, None], c_ids[:, :1], temperature),
-                      selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature)], 1)           # (B, Tc)
+    first = selected_logprobs(last[rows, None], c_ids[:, :1], temperature,
+                              extra_ids=None if extra_ids is None else extra_ids[:, :1])
+    rest = selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature,
+                             extra_ids=None if extra_ids is None else extra_ids[:, 1:])
+    if extra_ids is None:
+        return torch.cat([first, rest], 1)                                                    # (B, Tc)
+    return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)               # (B, Tc), (B, Tc, k)
 
 
 def micro_batches(episodes, size: int) -> list:
@@ -224,6 +236,90 @@ def episode_logprobs(model, episodes, *, micro_batch: int, temperature: float = 
     return out
 
 
+# ----------------------------------------------------------------------------- teachers (distillation)
+
+@torch.no_grad()
+def head_scores(hidden, head, targets, q: int, temperature: float = 1.0, chunk_tokens: int = 4096) -> dict:
+    """What a distillation loss needs from a teacher at each position, from its final hidden states (B, T, h) and
+    its output head: the log-prob of the target token (B, T), the exact entropy over the whole vocabulary (B, T), the
+    q most likely token ids and their log-probs (B, T, q). The (B, t, V) float32 logits exist for one chunk of about
+    chunk_tokens tokens at a time (Qwen3's vocabulary is 151,936: 4 x 8192 positions at once would be 20 GiB)."""
+    B, T = targets.shape
+    f32 = dict(device=hidden.device, dtype=torch.float32)
+    out = dict(lp=torch.zeros((B, T), **f32), ent=torch.zeros((B, T), **f32), top_lp=torch.zeros((B, T, q), **f32),
+               top_ids=torch.zeros((B, T, q), dtype=torch.long, device=hidden.device))
+    step = max(1, chunk_tokens // max(1, B))
+    for s in range(0, T, step):
+        x = head(hidden[:, s: s + step]).float()                                     # (B, t, V): one chunk
+        if temperature != 1.0:
+            x = x / temperature
+        logz = torch.log_softmax(x, -1)
+        out["lp"][:, s: s + step] = logz.gather(-1, targets[:, s: s + step, None]).squeeze(-1)
+        out["ent"][:, s: s + step] = -(logz.exp() * logz).sum(-1)
+        out["top_lp"][:, s: s + step], out["top_ids"][:, s: s + step] = logz.topk(q, -1)
+    return out
+
+
+@torch.no_grad()
+def teacher_pass(model, b: dict, q: int, temperature: float = 1.0, chunk_tokens: int = 4096) -> dict:
+    """head_scores of a packed micro-batch's completion tokens under `model`, in one teacher-forced pass of prompt
+    and completion. The model's output head is swapped, for this pass, for head_scores (it still runs inside the
+    model's forward, where FSDP2 has gathered the head's weights), so the full logits are never built."""
+    p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
+    ids, attn = torch.cat([p_ids[rows], c_ids], 1), torch.cat([p_attn[rows], c_attn], 1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    head, res = model.get_output_embeddings(), {}
+
+    def scorer(h):   # positions Tp - 1 ... Tp + Tc - 2 predict the completion; the last one predicts nothing
+        res.update(head_scores(h[:, :-1], lambda z: torch.nn.functional.linear(z, head.weight, head.bias), c_ids, q,
+                               temperature, chunk_tokens))
+        return h.new_zeros((h.size(0), h.size(1), 1))
+    head.forward = scorer
+    try:
+        model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=c_ids.size(1) + 1)
+    finally:
+        del head.forward
+    return res
+
+
+@torch.no_grad()
+def teacher_scores(model, episodes, *, micro_batch: int, q: int, temperature: float = 1.0,
+                   chunk_tokens: int = 4096) -> list:
+    """teacher_pass over `episodes` in micro-batches: per episode a dict of CPU tensors over its completion tokens,
+    lp (T,), ent (T,), top_lp (T, q), top_ids (T, q); None for an episode whose scores are not finite (a failing
+    teacher: the caller drops the episode and counts it). Every rank runs as many passes as the busiest (FSDP2)."""
+    pad, dev = pad_id(model), next(model.parameters()).device
+    micro = micro_batches(episodes, micro_batch)
+    out = [None] * len(episodes)
+    for m in range(int(all_reduce_max(len(micro)))):
+        if m >= len(micro):
+            teacher_pass(model, to_device(pack([stand_in(pad)], pad), dev), q, temperature, chunk_tokens)
+            continue
+        idx = micro[m]
+        res = teacher_pass(model, to_device(pack([episodes[i] for i in idx], pad), dev), q, temperature, chunk_tokens)
+        for j, i in enumerate(idx):
+            n = max(1, len(episodes[i].token_ids) - episodes[i].prompt_len)
+            s = {k: v[j, :n].cpu() for k, v in res.items()}
+            ok = all(torch.isfinite(v).all() for k, v in s.items() if k != "top_ids")
+            out[i] = s if ok else None
+    return out
+
+
+def route_to_teachers(teachers: dict, episodes, **kw) -> list:
+    """Each episode scored by the teacher of its own domain (teachers: {domain: model}; episode.env), never by
+    another and never averaged: teacher_scores' dicts in `episodes` order (None: dropped). Every rank visits the
+    teachers in the same order. KeyError for an episode whose domain has no teacher (callers check before)."""
+    out = [None] * len(episodes)
+    missing = {e.env for e in episodes} - set(teachers)
+    if missing:
+        raise KeyError(f"no teacher for {', '.join(sorted(missing))}")
+    for d in sorted(teachers):
+        idx = [i for i, e in enumerate(episodes) if e.env == d]
+        for i, s in zip(idx, teacher_scores(teachers[d], [episodes[i] for i in idx], **kw)):
+            out[i] = s
+    return out
+
+
 def cut_extras(extras: dict, idx: list, T: int, dev) -> dict:
     """The extras of episodes `idx`: floats -> (b, 1); per-token tensors -> (b, T, ...), zero-padded."""
     out = {}
@@ -239,15 +335,32 @@ def cut_extras(extras: dict, idx: list, T: int, dev) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- the policy-gradient surrogate
+
+def clipped_surrogate(log_ratio, adv, old, slp, clip_low: float, clip_high: float, tis_cap: float):
+    """The PPO/DAPO clipped surrogate as a per-token loss (B, T), for any per-token or per-sequence advantage A:
+    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) w, with r = exp(log_ratio) the ratio of the current policy to
+    the trainer's log-probs `old` under the weights that sampled (per token, or GSPO's per sequence), and w =
+    min(exp(old - slp), tis_cap) the truncated importance weight between those and the sampler's own log-probs slp
+    (1 when they agree; bf16 vLLM against FSDP they do not quite). GRPO's loss (train_seq.py) and MMOPD's
+    reverse-KL term (mmopd.py) are this with their own A. -> (loss (B, T), 1 where r is outside the clip range)."""
+    ratio = torch.exp(log_ratio)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    tis = torch.exp(old - slp).clamp(max=tis_cap).detach()
+    clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float().detach()
+    return -surr * tis, clipped
+
+
 # ----------------------------------------------------------------------------- one optimizer step
 
 def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "token", grad_clip: float = 1.0,
-             temperature: float = 1.0, extras: dict | None = None):
+             temperature: float = 1.0, extras: dict | None = None, gather: str | None = None):
     """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of
     micro_batch sequences, with loss_fn's per-token loss (see the module docstring). The loss is normalised by
     the *global* number of loss tokens (agg "token") or sequences ("seq"), and multiplied by the world size
     because FSDP averages gradients over ranks: N ranks give the same update as one process on the whole batch.
-    extras: {name: one value per episode}, cut per micro-batch for loss_fn.
+    extras: {name: one value per episode}, cut per micro-batch for loss_fn. gather: the name of an extras entry of
+    token ids per completion token (T, k) at which loss_fn also needs the policy's log-probs: x[gather + "_logp"].
     -> (loss over the global batch, {statistic: token-mean over the global batch, grad_norm: before the clip}).
     Raises FloatingPointError, before the weights change, on a non-finite loss or gradient norm."""
     extras = extras or {}
@@ -271,8 +384,12 @@ def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "tok
         b = to_device(pack([episodes[i] for i in idx], pad), dev)
         if dummy:
             b["mask"] = b["mask"] * 0.0
-        logp = token_logprobs(model, b, temperature)                                    # (b, Tc)
-        per_tok, stats = loss_fn(logp, b, cut_extras(extras, idx, logp.size(1), dev))    # (b, Tc)
+        x = cut_extras(extras, idx, b["c_ids"].size(1), dev)
+        if gather:
+            logp, x[gather + "_logp"] = token_logprobs(model, b, temperature, extra_ids=x[gather].long())
+        else:
+            logp = token_logprobs(model, b, temperature)                                # (b, Tc)
+        per_tok, stats = loss_fn(logp, b, x)                                            # (b, Tc)
         mask = b["mask"]                                                                # (b, Tc)
         if agg == "token":
             loss = (per_tok * mask).sum() / denom
@@ -343,6 +460,19 @@ def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: in
     return losses
 
 
+def mix_quota(mix, sizes: dict, batch: int) -> dict:
+    """Items per domain in a batch of `batch` (SDFT's episodes, MMOPD's prompts): balanced (equal), proportional (to
+    `sizes`) or the weights of --mix w1,w2,... in --domains order, rounded by largest remainder to sum to `batch`."""
+    ds = list(sizes)
+    w = {d: 1.0 for d in ds} if mix == "balanced" else {d: float(sizes[d]) for d in ds} if mix == "proportional" \
+        else dict(zip(ds, mix))
+    raw = {d: batch * w[d] / sum(w.values()) for d in ds}
+    q = {d: int(math.floor(raw[d])) for d in ds}
+    for d in sorted(ds, key=lambda d: raw[d] - q[d], reverse=True)[: batch - sum(q.values())]:
+        q[d] += 1
+    return q
+
+
 class Cursor:
     """Walks a seeded shuffle of the train prompts, epoch after epoch; its position is saved on resume.
     Every rank walks the same order and takes its own slice of each global batch."""
@@ -400,7 +530,7 @@ def shard_rows(n: int, world: int, r: int) -> int:
 
 
 def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model: bool = False,
-            gpu_gb: float = 141.0):
+            gpu_gb: float = 141.0, teachers: int = 0, teacher_offload: bool = False):
     """Build `init`'s architecture on the meta device (no weights, no download), apply shard()'s FSDP2 plan
     under a fake process group of `world` ranks, and print the parameters per rank, an estimate of the
     memory per rank and the resolved configuration. Returns the figures (tests read them).
@@ -416,6 +546,8 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
       logits: micro_batch x seq_len x vocab at the compute dtype, and their gradient; the float32 log-softmax
       runs 4,096 tokens at a time and is recomputed in backward (selected_logprobs);
       a frozen reference model (ref_model, e.g. GRPO's --kl-coef > 0): its fp32 shard, 4 P_r;
+      frozen teachers (MMOPD, `teachers` of them, all resident): each its shard at the compute dtype (2 P_r under
+      bf16; on the host with teacher_offload), plus their scoring pass's float32 logits chunk (4,096 tokens x V x 3);
       the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
     vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
     --vllm-gpu-util of the GPU while generating, so it is listed apart."""
@@ -455,6 +587,10 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
         "reference model": 4 * P_r if ref_model else 0,
         "hf engine (unsharded copy)": n_total * cb if a.backend == "hf" and world > 1 else 0,
     }
+    teacher_key = f"teachers ({teachers}, compute-dtype shards)"
+    if teachers:
+        mem[teacher_key] = 0 if teacher_offload else teachers * cb * P_r
+        mem["teacher scoring (fp32 logits chunk)"] = min(tokens, 4096) * V * 12
     gb = lambda x: x / 2**30
     total = sum(mem.values())
     print(f"dry run: {init} ({cfg.model_type}, {n_total / 1e9:.3f}B parameters) on {world} ranks, FSDP2 plan: "
@@ -467,11 +603,14 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
         print(f"  {k:<38} {gb(v):8.2f} GiB")
     if a.cpu_offload:
         print(f"  {'(host) weights+grads+adam, offloaded':<38} {gb(states):8.2f} GiB")
+    if teachers and teacher_offload:
+        print(f"  {'(host) teachers, offloaded':<38} {gb(teachers * cb * P_r):8.2f} GiB")
     vllm = a.vllm_gpu_util * gpu_gb * 2**30 if a.backend == "vllm" else 0.0
     print(f"  {'training total':<38} {gb(total):8.2f} GiB")
     generating = 0.0
     if vllm:   # while vLLM generates, the sharded training state stays on the GPU beside it
-        generating = vllm + mem["weights+grads+adam (fp32, sharded)"] + mem["reference model"]
+        generating = vllm + mem["weights+grads+adam (fp32, sharded)"] + mem["reference model"] + \
+            mem.get(teacher_key, 0)
         print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
         print(f"  {'generation total (vLLM + sharded state)':<38} {gb(generating):8.2f} GiB")
     peak = max(total, generating)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sdft
+import train_step
 from envs import make_env
 from envs.rollout import ReplayBackend, rollout
 from train_step import pack
@@ -162,9 +163,9 @@ def test_balanced_batches_hold_the_same_count_per_domain_and_other_mixes_and_ord
     # each domain is walked epoch by epoch: every episode once before any twice
     firsts = [i for b in plan[:5] for d, i in b if d == "ecommerce"][:4]
     assert sorted(firsts[:2]) == [0, 1] and sorted(firsts[2:]) == [0, 1]
-    q = sdft.mix_quota("proportional", {d: len(e) for d, e in pools.items()}, 11)
+    q = train_step.mix_quota("proportional", {d: len(e) for d, e in pools.items()}, 11)
     assert q == dict(math=5, search=2, ecommerce=1, **{"if": 3})   # 5, 1.5, 1, 3.5: one remainder, to the first
-    assert sdft.mix_quota([1, 0, 0, 3], {d: 1 for d in pools}, 8) == dict(math=2, search=0, ecommerce=0, **{"if": 6})
+    assert train_step.mix_quota([1, 0, 0, 3], {d: 1 for d in pools}, 8) == dict(math=2, search=0, ecommerce=0, **{"if": 6})
     staged = sdft.schedule(pools, "balanced", "staged", 4, 8, seed=0)
     assert [b[0][0] for b in staged] == ["math"] * 2 + ["search"] * 2 + ["ecommerce"] * 2 + ["if"] * 2
     assert all(len({d for d, _ in b}) == 1 for b in staged)

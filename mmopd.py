@@ -1,0 +1,451 @@
+"""Multi-teacher mixed on-policy distillation (MMOPD): the student samples on its own prompts from every domain, each
+episode is scored by the frozen teacher that owns its domain (never by an average of teachers), and the student
+learns from that teacher's per-token distribution. No environment reward is used (it is logged).
+
+    python mmopd.py                                       # tiny: Seq-Final student, stage teachers -> runs/tiny/mmopd
+    python mmopd.py --teachers oracle --out runs/tiny/mmopd-ablation/oracle     # the released scripts' teachers
+    python mmopd.py --fkl-coef 0 --fkl-start 0 --out runs/tiny/mmopd-ablation/rkl-only
+    python mmopd.py --gate-entropy topq --out runs/tiny/mmopd-ablation/topq
+    python mmopd.py --plot runs/tiny/mmopd runs/tiny/mmopd-ablation/* --plot-out runs/tiny/eval/mmopd-kl.png
+    torchrun --standalone --nproc_per_node=2 mmopd.py --out runs/tiny/mmopd-dist    # FSDP2, 2 CPU ranks (gloo)
+    torchrun --nproc_per_node=8 mmopd.py --preset qwen3-8b --math-data ... --user-url ...   # full scale (vLLM)
+    python mmopd.py --preset qwen3-8b --dry-run           # per-rank memory with the four teachers
+
+Each step:
+  1. --prompts train prompts drawn from the domains' train splits by --mix (balanced: the same count per domain);
+     the student samples --group episodes of each through envs/rollout.py (multi-turn: tools answer, the user
+     replies; the reward is logged, not used);
+  2. routing: each episode goes to its domain's teacher (--teachers seq: the sequential stage that learned the domain,
+     the paper's; oracle: the single-task oracles, the released scripts'; or domain=DIR,...), which scores it in one
+     teacher-forced pass (train_step.route_to_teachers): at each agent position the log-prob of the sampled token,
+     the exact entropy over the whole vocabulary and the top-q tokens with their log-probs; an episode whose scores
+     are not finite is dropped and counted;
+  3. one update with the loss written out in mmopd_loss (tool results and user tokens are masked out of it);
+  4. the new weights go into the rollout engine.
+A killed run restarted with the same command resumes from its last saved step (--save-every).
+
+Differences from the paper and the released code:
+1. The tiny preset runs --steps 40 with the forward-KL warm-up over 20 steps (released: 40 steps of warm-up).
+2. The student's entropy in the log is the Monte-Carlo estimate -mean log pi(y_t) over its own samples (the
+   teacher's is exact).
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+from common import (
+    Parser,
+    UsageError,
+    all_reduce_sum,
+    check_output,
+    check_run_files,
+    full_state_dict,
+    gather_mean,
+    init_dist,
+    is_checkpoint,
+    load_policy,
+    load_train_state,
+    mark_diverged,
+    print0,
+    rank,
+    read_meta,
+    remove_leftovers,
+    run_files,
+    save_checkpoint,
+    save_train_state,
+    seed_all,
+    shard,
+    teardown,
+    tokenizer_hash,
+    usage_exit,
+    world_size,
+)
+from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains
+from envs.rollout import make_backend, push_weights, rollout
+from train_step import (
+    Cursor,
+    add_scale_flags,
+    add_step_flags,
+    check_shared_flags,
+    clipped_surrogate,
+    dry_run,
+    mix_quota,
+    model_config,
+    route_to_teachers,
+    train_on,
+)
+
+PRESETS = {
+    "tiny": dict(base="runs/tiny/base", prompts=16, group=4, steps=40, lr=2e-4, top_q=16, alpha=0.5, fkl_start=0.05,
+                 fkl_coef=0.2, fkl_warmup=20, save_every=10, micro_batch=16),
+    "qwen3-8b": dict(base="Qwen/Qwen3-8B-Base", prompts=64, group=4, steps=200, lr=1e-6, top_q=16, alpha=0.5,
+                     fkl_start=0.05, fkl_coef=0.2, fkl_warmup=40, save_every=20, micro_batch=4),
+}
+STATS = ("rkl", "fkl", "gate", "t_ent", "s_ent", "disagree")
+
+
+class TeacherFailure(RuntimeError):
+    """Every episode of a step lost its teacher's scores: nothing real to learn from."""
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def mmopd_loss(logp, b, x, a, beta_f: float):
+    """The MMOPD per-token loss (B, T); train_on masks it to the student's own tokens (tool results and the user's
+    replies are 0 in b["mask"]: no loss, no gradient) and averages it over them (--agg token).
+    logp: the student's log-probs of its sampled tokens (with grad); x["t_lp"]: the routed teacher's log-prob of
+    the same tokens; x["t_ent"]: the teacher's exact entropy; x["t_top_lp"], x["t_top_ids"]: the teacher's top-q
+    log-probs and ids; x["t_top_ids_logp"]: the student's log-probs at those ids (with grad); x["dom"]: the
+    episode's domain index (for the per-domain log only)."""
+    old = logp.detach()
+    t_top = x["t_top_lp"]                                           # (B, T, q), normalised over the whole vocabulary
+    log_pt = torch.log_softmax(t_top, -1)                           # the teacher renormalised over its top-q
+    pt = log_pt.exp()
+    h_topq = -(pt * log_pt).sum(-1)                                 # its entropy: a lower bound of the full one
+    h = x["t_ent"] if a.gate_entropy == "full" else h_topq
+    # The gate: where the teacher is unsure (H_T > alpha nats) it keeps several continuations alive; reverse KL
+    # there would push the student onto one of them, so the forward term takes over at those positions.
+    unsure = (h > a.alpha).float()
+    # 1. Reverse KL(student || teacher) on the student's own samples, as a per-token advantage (on-policy
+    #    distillation): A_t = -(log pi_old(y_t) - log p_T(y_t)), no gradient through it. Tokens the teacher finds
+    #    likelier than the student are pushed up, the others down; E[-A] is the reverse KL. It is mode-seeking, which
+    #    is what we want where the teacher is sure. --rkl-gate keeps it to those positions (the released variant).
+    adv = -(old - x["t_lp"])
+    pg, clipped = clipped_surrogate(logp - old, adv, old, b["slp"], a.clip_low, a.clip_high, a.tis_cap)
+    rkl_term = pg * (1.0 - unsure) if a.rkl_gate else pg
+    # 2. Forward KL(teacher || student) where the teacher is unsure, in closed form over the teacher's top-q tokens,
+    #    both distributions renormalised over that set: sum_i p_T(i) (log p_T(i) - log p_S(i)). It is mass-covering:
+    #    the student keeps every branch the teacher keeps (the study: agentic search collapses without it).
+    log_ps = torch.log_softmax(x["t_top_ids_logp"], -1)
+    fkl = (pt * (log_pt - log_ps)).sum(-1)
+    loss = rkl_term + beta_f * unsure * fkl
+    per = dict(rkl=old - x["t_lp"], fkl=(unsure * fkl).detach(), gate=unsure, t_ent=x["t_ent"], s_ent=-old,
+               disagree=((x["t_ent"] > a.alpha) != (h_topq > a.alpha)).float())
+    stats = {"clip": clipped}
+    for k, d in enumerate(a.domains):   # per-domain sums; main() divides by each domain's token count
+        on = (x["dom"] == k).float()
+        stats.update({f"{name}@{d}": v * on for name, v in per.items()})
+    return loss, stats
+
+
+def fkl_coef_at(a, step: int) -> float:
+    """beta_f: --fkl-start at step 1, rising linearly to --fkl-coef over --fkl-warmup steps, then flat."""
+    if a.fkl_warmup <= 0:
+        return a.fkl_coef
+    return a.fkl_start + (a.fkl_coef - a.fkl_start) * min(1.0, (step - 1) / a.fkl_warmup)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def get_args(argv=None):
+    pre = Parser(add_help=False)
+    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    name = pre.parse_known_args(argv)[0].preset
+    preset = PRESETS[name]
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
+    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    p.add_argument("--domains", default=",".join(DOMAINS), help="domains, in the sequential run's curriculum order")
+    p.add_argument("--student", default=None, help="starting checkpoint (default Seq-Final: <runs>/seq/<n>-<last>)")
+    p.add_argument("--teachers", default="seq", help="seq (the stage that learned each domain, <runs>/seq/<i>-<d>), "
+                                                     "oracle (<runs>/oracle/<d>) or domain=DIR,...")
+    p.add_argument("--mix", default="balanced", help="prompts per step across domains: balanced or weights w1,w2,...")
+    p.add_argument("--prompts", type=int, default=preset["prompts"], help="prompts per step (global)")
+    p.add_argument("--group", type=int, default=preset["group"], help="student samples per prompt")
+    p.add_argument("--steps", type=int, default=preset["steps"], help="optimizer steps")
+    p.add_argument("--lr", type=float, default=preset["lr"], help="learning rate (AdamW, constant)")
+    p.add_argument("--top-q", type=int, default=preset["top_q"], help="teacher tokens the forward KL runs over")
+    p.add_argument("--alpha", type=float, default=preset["alpha"], help="entropy gate (nats): the forward KL acts "
+                                                                        "where the teacher's entropy is above it")
+    p.add_argument("--fkl-start", type=float, default=preset["fkl_start"], help="forward-KL coefficient at step 1")
+    p.add_argument("--fkl-coef", type=float, default=preset["fkl_coef"], help="forward-KL coefficient after warm-up")
+    p.add_argument("--fkl-warmup", type=int, default=preset["fkl_warmup"], help="steps of its linear warm-up")
+    p.add_argument("--rkl-gate", action="store_true", help="reverse KL only where the teacher is sure (H_T <= alpha)")
+    p.add_argument("--gate-entropy", default="full", choices=["full", "topq"], help="the gate's entropy: exact over "
+                   "the vocabulary, or of the renormalised top-q (the released code's, a lower bound)")
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1")
+    p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1")
+    p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the sampler/trainer importance weight")
+    p.add_argument("--offload-teachers", action="store_true", help="keep the teachers' FSDP2 shards on the CPU")
+    p.add_argument("--save-every", type=int, default=preset["save_every"], help="steps between resume states (0: never)")
+    p.add_argument("--out", default=None, help="student checkpoint (default <runs>/mmopd)")
+    p.add_argument("--overwrite", action="store_true", help="replace an mmopd checkpoint made with another recipe")
+    p.add_argument("--plot", nargs="+", default=None, metavar="CKPT", help="plot these MMOPD checkpoints' per-domain "
+                                                                           "KL curves to --plot-out, and stop")
+    p.add_argument("--plot-out", default=None, metavar="PNG", help="where --plot writes")
+    add_scale_flags(p, name)
+    add_step_flags(p, name)
+    p.set_defaults(micro_batch=preset["micro_batch"])   # tiny: 16, not 64: a step mixes 30-token math and ~1,000-token
+    add_data_flags(p, train=True)                      # e-commerce episodes, and one micro-batch pads all to the longest
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+def teacher_paths(a) -> dict:
+    """{domain: teacher checkpoint} from --teachers; UsageError for a domain of --domains without one."""
+    if a.teachers in ("seq", "oracle"):
+        return {d: os.path.join(a.runs, "seq", f"{i}-{d}") if a.teachers == "seq" else os.path.join(a.runs, "oracle", d)
+                for i, d in enumerate(a.domains, 1)}
+    given = dict(x.partition("=")[::2] for x in a.teachers.split(","))
+    parse_domains(",".join(given))
+    missing = [d for d in a.domains if not given.get(d)]
+    if missing:
+        raise UsageError(f"no teacher for {', '.join(missing)} in --teachers {a.teachers} (every domain of --domains "
+                         f"needs one: domain=DIR)")
+    return {d: given[d] for d in a.domains}
+
+
+def check_args(a):
+    """Every bad input stops here with a UsageError, before anything is loaded or written."""
+    check_shared_flags(a)
+    a.domains = list(parse_domains(a.domains))
+    a.runs = a.runs or os.path.join("runs", a.preset)
+    a.out = a.out or os.path.join(a.runs, "mmopd")
+    a.student = a.student or os.path.join(a.runs, "seq", f"{len(a.domains)}-{a.domains[-1]}")
+    if a.mix != "balanced":
+        try:
+            a.mix = [float(w) for w in a.mix.split(",")]
+        except ValueError:
+            raise UsageError(f"--mix takes balanced or {len(a.domains)} weights w1,w2,...; got {a.mix!r}") from None
+        if len(a.mix) != len(a.domains) or min(a.mix) < 0 or not sum(a.mix) > 0 or not all(map(math.isfinite, a.mix)):
+            raise UsageError(f"--mix weights: one finite weight >= 0 per domain of --domains ({len(a.domains)}), "
+                             f"not all 0")
+    for ok, msg in [(a.prompts >= 1, "--prompts must be >= 1"), (a.group >= 1, "--group must be >= 1"),
+                    (a.steps >= 1, "--steps must be >= 1"), (a.lr > 0, "--lr must be > 0"),
+                    (a.top_q >= 1, "--top-q must be >= 1"), (a.alpha >= 0, "--alpha must be >= 0 (an entropy, nats)"),
+                    (a.fkl_start >= 0 and a.fkl_coef >= 0, "--fkl-start and --fkl-coef must be >= 0"),
+                    (a.fkl_warmup >= 0, "--fkl-warmup must be >= 0"), (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"),
+                    (a.clip_high >= 0, "--clip-high must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
+                    (a.save_every >= 0, "--save-every must be >= 0")]:
+        if not ok:
+            raise UsageError(msg)
+    if a.dry_run:   # Seq-Final has the base's architecture: --dry-run needs no trained run
+        a.teacher_paths = {}
+        a.arch = a.student if is_checkpoint(a.student) else PRESETS[a.preset]["base"]
+        vocab = model_config(a.arch).vocab_size
+        if a.top_q > vocab:
+            raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
+        return a
+    if not is_checkpoint(a.student):
+        raise UsageError(f"--student checkpoint not found: {a.student} (the default is Seq-Final: python train_seq.py)")
+    a.teacher_paths = teacher_paths(a)
+    for d, path in a.teacher_paths.items():
+        if not is_checkpoint(path):
+            how = "python train_seq.py --oracle" if a.teachers == "oracle" else "python train_seq.py"
+            raise UsageError(f"no teacher for {d}: {path} is not a checkpoint ({how}, or --teachers {d}=DIR)")
+    vocab, tok = model_config(a.student).vocab_size, tokenizer_hash(a.student)
+    if a.top_q > vocab:
+        raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
+    for d, path in a.teacher_paths.items():
+        if tokenizer_hash(path) != tok:
+            raise UsageError(f"the {d} teacher {path} has another tokenizer than --student {a.student}: its "
+                             f"distributions are over other tokens")
+        if model_config(path).vocab_size != vocab:
+            raise UsageError(f"the {d} teacher {path} has a vocabulary of {model_config(path).vocab_size}, the student "
+                             f"{vocab}")
+    a.tokenizer = tok
+    check_output(a.out, "mmopd", inputs=[a.student, *a.teacher_paths.values()], overwrite=True)
+    if read_meta(a.out) and read_meta(a.out).get("recipe") != recipe(a) and not a.overwrite:
+        raise UsageError(f"--out {a.out} holds an mmopd checkpoint made with another recipe; pass --overwrite to "
+                         f"replace it")
+    return a
+
+
+def recipe(a) -> dict:
+    """What the student checkpoint (and a resume state) depends on."""
+    keys = ("domains", "mix", "prompts", "group", "steps", "lr", "top_q", "alpha", "fkl_start", "fkl_coef",
+            "fkl_warmup", "rkl_gate", "gate_entropy", "clip_low", "clip_high", "tis_cap", "agg", "grad_clip",
+            "temperature", "max_tokens", "max_turn_tokens", "seed")
+    return dict({k: getattr(a, k) for k in keys}, student=os.path.abspath(a.student),
+                teachers={d: os.path.abspath(p) for d, p in a.teacher_paths.items()})
+
+
+# ----------------------------------------------------------------------------- --plot
+
+def plot(paths: list, out: str):
+    """Per domain, the reverse KL to its teacher over the steps (solid) and the forward KL at the gated positions
+    (dashed), one colour per checkpoint, from acl_meta.json's history."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = []
+    for p in paths:
+        meta = read_meta(p)
+        if meta.get("method") != "mmopd" or not meta.get("history"):
+            raise UsageError(f"--plot {p}: not an MMOPD checkpoint with a history")
+        runs.append((p, meta))
+    if os.path.exists(out) and not out.endswith(".png"):
+        raise UsageError(f"--plot-out {out} exists and is not a .png: refusing to replace it")
+    domains = runs[0][1]["recipe"]["domains"]
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.2), squeeze=False)
+    for ax, d in zip(axes[0], domains):
+        for j, (p, meta) in enumerate(runs):
+            h = [r for r in meta["history"] if d in r["domains"]]
+            steps = [r["step"] for r in h]
+            ax.plot(steps, [r["domains"][d]["rkl"] for r in h], color=f"C{j}", label=os.path.basename(p))
+            ax.plot(steps, [r["domains"][d]["fkl_gated"] for r in h], color=f"C{j}", ls="--")
+        ax.set_title(f"{d}: KL to its teacher")
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("reverse KL (solid), forward KL top-q (dashed)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    a = get_args(argv)
+    if a.plot:
+        try:
+            if not a.plot_out:
+                raise UsageError("--plot needs --plot-out FILE.png")
+            plot(a.plot, a.plot_out)
+        except UsageError as e:
+            usage_exit(e)
+        return
+    try:
+        a = check_args(a)
+        if a.dry_run:
+            dry_run(a, a.arch, a.world_size, a.micro_batch, a.max_tokens, teachers=len(a.domains),
+                    teacher_offload=a.offload_teachers)
+            return
+        envs = load_envs(a.domains, env_options(a), a.seed)
+        rec = recipe(a)
+        if read_meta(a.out).get("recipe") != rec:
+            check_run_files(a.out, rec, replace=a.overwrite)
+    except UsageError as e:
+        usage_exit(e)
+    if read_meta(a.out).get("recipe") == rec:
+        print0(f"[mmopd] {a.out} finished before with this recipe, nothing to do")
+        return
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = init_dist()
+    t0 = time.time()
+    print0(f"mmopd: student {a.student}, teachers {a.teacher_paths} -> {a.out}, {world_size()} process(es)\n"
+           f"resolved config: {vars(a)}")
+    if rank() == 0:
+        remove_leftovers([a.out])
+    seed_all(a.seed)
+    policy, tok = load_policy(a.student, device, a.attn, a.grad_ckpt)
+    policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    # the teachers: frozen, in eval mode, sharded like the student (bf16 weights with --bf16: 2 bytes per parameter
+    # and rank share); one copy of a checkpoint that teaches several domains
+    loaded, teachers = {}, {}
+    for d, path in a.teacher_paths.items():
+        if path not in loaded:
+            m, _ = load_policy(path, device, a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
+            loaded[path] = shard(m.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.offload_teachers)
+        teachers[d] = loaded[path]
+    backend, _engine = make_backend(a.backend, tok, a.student, policy=policy, device=device, gen_batch=a.gen_batch,
+                                    bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed,
+                                    attn=a.attn)
+    opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    train = {d: envs[d].tasks("train", seed=a.seed) for d in a.domains}
+    cursors = {d: Cursor(len(train[d]), a.seed + 3 + k) for k, d in enumerate(a.domains)}
+    quota = mix_quota(a.mix, {d: 1 for d in a.domains}, a.prompts)
+    resume_path, resume_recipe, _ = run_files(a.out)
+    start, history = 0, []
+    if os.path.exists(resume_path):
+        extra = load_train_state(resume_path, policy, opt)
+        start, history = extra["step"], extra["history"]
+        for d, pos in extra["cursors"].items():
+            cursors[d].pos = pos
+        push_weights(backend, policy)
+        print0(f"[mmopd] resumed at step {start} from {resume_path}")
+    print0(f"[mmopd] {a.steps} steps of {a.prompts} prompts x {a.group} samples, per step {quota}")
+    step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
+    t1 = time.time()
+    step = start
+    try:
+        for step in range(start + 1, a.steps + 1):
+            ts = time.time()
+            beta_f = fkl_coef_at(a, step)
+            # ---- 1. the student samples (the environments run; their reward is only logged)
+            tasks = [(d, train[d][j]) for d in a.domains for j in cursors[d].take(quota[d])]
+            mine = tasks[rank()::world_size()]
+            policy.eval()
+            eps = rollout(backend, tok, [(envs[d], t) for d, t in mine], a.group, a.temperature,
+                          max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens,
+                          seed=(a.seed * 1_000_003 + step) * 97 + rank())
+            t_gen = time.time() - ts
+            n_gen = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
+            backend.sleep()
+            # ---- 2. each episode to its own domain's teacher; a failed score drops the episode
+            scores = route_to_teachers(teachers, eps, micro_batch=a.micro_batch, q=a.top_q, temperature=a.temperature)
+            kept = [(e, s) for e, s in zip(eps, scores) if s is not None]
+            dropped = {d: int(all_reduce_sum(sum(1 for e, s in zip(eps, scores) if s is None and e.env == d)))
+                       for d in a.domains}
+            if all_reduce_sum(len(kept)) == 0:
+                raise TeacherFailure(f"every episode of step {step} was dropped (teachers' scores not finite: "
+                                   f"{dropped}); stopping rather than training on nothing")
+            # ---- 3. one update on the kept episodes
+            policy.train()
+            x = dict(t_lp=[s["lp"] for _, s in kept], t_ent=[s["ent"] for _, s in kept],
+                     t_top_lp=[s["top_lp"] for _, s in kept], t_top_ids=[s["top_ids"] for _, s in kept],
+                     dom=[a.domains.index(e.env) for e, _ in kept])
+            loss, st = train_on(policy, opt, [e for e, _ in kept], lambda lp, b, x, w=beta_f: mmopd_loss(lp, b, x, a, w),
+                                extras=x, gather="t_top_ids", **step_kw)
+            backend.wake()
+            push_weights(backend, policy)
+            # ---- the log: per domain, token means over its agent tokens
+            n_all = all_reduce_sum(float(sum(e.n_sampled for e, _ in kept)))
+            row = dict(step=step, loss=loss, beta_f=beta_f, grad_norm=st["grad_norm"], dropped=dropped, domains={})
+            for d in a.domains:
+                n_d = all_reduce_sum(float(sum(e.n_sampled for e, _ in kept if e.env == d)))
+                if n_d == 0:
+                    continue
+                r = {k: st[f"{k}@{d}"] * n_all / n_d for k in STATS}
+                r["fkl_gated"] = r["fkl"] / r["gate"] if r["gate"] > 0 else 0.0
+                r["reward"] = gather_mean([e.reward for e in eps if e.env == d])
+                r["dropped"] = dropped[d]
+                row["domains"][d] = r
+            history.append(row)
+            dt = time.time() - ts
+            el = time.time() - t1
+            print0(f"[mmopd] step {step}/{a.steps} | loss {loss:+.4f} | beta_f {beta_f:.3f} | gen {t_gen:.1f}s "
+                   f"{n_gen / max(t_gen, 1e-9):.0f} tok/s | step {dt:.1f}s {all_reduce_sum(float(sum(len(e.token_ids) for e, _ in kept))) / dt:.0f} tok/s | "
+                   f"{el:.0f}s elapsed, ETA {el / (step - start) * (a.steps - step):.0f}s")
+            for d in (d for d in a.domains if d not in row["domains"]):
+                print0(f"    {d:<9} no episode scored | dropped {dropped[d]}")
+            for d, r in row["domains"].items():
+                print0(f"    {d:<9} rkl {r['rkl']:+.4f} | fkl@gate {r['fkl_gated']:.4f} | gate {r['gate']:.3f} "
+                       f"(gates disagree {r['disagree']:.3f}) | H teacher {r['t_ent']:.3f} student {r['s_ent']:.3f} | "
+                       f"reward {r['reward']:.3f} | dropped {r['dropped']}")
+            if a.save_every and step % a.save_every == 0 and step < a.steps:
+                save_train_state(resume_path, policy, opt, dict(step=step, history=history,
+                                                                cursors={d: c.pos for d, c in cursors.items()}),
+                                 recipe=rec)
+    except FloatingPointError as e:
+        if rank() == 0:
+            mark_diverged(a.out, str(e))
+        sys.exit(f"error: [mmopd] step {step}: {e}; nothing non-finite was saved")
+    except TeacherFailure as e:
+        sys.exit(f"error: [mmopd] {e}")
+    sd = full_state_dict(policy)
+    if rank() == 0:
+        meta = dict(method="mmopd", stage="mmopd", parent=os.path.abspath(a.student), curriculum_position=None,
+                    step=a.steps, seed=a.seed, recipe=rec, teachers=rec["teachers"], tokenizer=a.tokenizer,
+                    history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1))
+        try:
+            save_checkpoint(a.out, policy, tok, meta, state_dict=sd)
+        except OSError as e:
+            sys.exit(f"error: writing {a.out} failed: {e}")
+        for path in (resume_path, resume_recipe):
+            if os.path.exists(path):
+                os.remove(path)
+        print0(f"saved {a.out} in {time.time() - t0:.0f}s")
+    teardown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
