@@ -83,12 +83,12 @@ from common import (
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain
 from envs.base import EpisodeState, read_jsonl, valid_tool_calls
 from envs.rollout import Episode, episode_record, make_backend, rollout
+from scale import dry_run
 from train_step import (
     Cursor,
     add_scale_flags,
     add_step_flags,
     check_shared_flags,
-    dry_run,
     mix_quota,
     sft_loss,
     train_on,
@@ -96,9 +96,9 @@ from train_step import (
 
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", prompts="math=64,search=64,ecommerce=32,if=64", group=8, dedup_threshold=0.9,
-                 lr=1e-3, warmup=5, epochs=2, batch=32, save_every=10),
+                 lr=1e-3, warmup=5, epochs=2, batch=32, save_every=10, micro_batch=16),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", prompts=2048, group=8, dedup_threshold=0.9, lr=1e-5, warmup=20,
-                     epochs=2, batch=128, save_every=50),
+                     epochs=2, batch=128, save_every=50, micro_batch=4),
 }
 FILTERS = ("correct", "tools", "compliant", "distinct")
 POOL_FORMAT = "aclarena-sdft-pool/1"
@@ -338,7 +338,8 @@ def get_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace an sdft checkpoint made with another recipe")
     add_scale_flags(p, name)
     add_step_flags(p, name)
-    add_data_flags(p, train=True)
+    p.set_defaults(micro_batch=preset["micro_batch"])   # tiny: 16, not 64: a batch mixes 30-token math and ~1,000-token
+    add_data_flags(p, train=True)                      # e-commerce episodes, and one micro-batch pads all to the longest
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)

@@ -72,13 +72,13 @@ from envs import add_data_flags, env_options, load_envs, per_domain
 from envs.base import UsageError
 from envs.rollout import expert_episodes, make_backend, push_weights, saved_episodes
 from evaluate import evaluate_inrun, inrun_path
+from scale import dry_run
 from train_step import (
     Cursor,
     add_scale_flags,
     add_step_flags,
     check_shared_flags,
     clipped_surrogate,
-    dry_run,
     episode_logprobs,
     keep_successes,
     sft_epochs,

@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from common import checkpoint_activations, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
-from train_step import KNOWN_CONFIGS, micro_batches, train_on  # noqa: E402
+from scale import KNOWN_CONFIGS  # noqa: E402
+from train_step import micro_batches, train_on  # noqa: E402
 
 PEAK_TFLOPS = 989.0   # H100/H200 SXM, bf16 dense
 

@@ -329,7 +329,7 @@ def test_torchrun_two_ranks_route_score_and_train(models, tmp_path):
 
 def test_dry_run_qwen3_8b_counts_the_four_teachers(capsys):
     a = mmopd.check_args(mmopd.get_args(["--preset", "qwen3-8b", "--dry-run", "--world-size", "8"]))
-    from train_step import dry_run
+    from scale import dry_run
     on = dry_run(a, a.arch, 8, a.micro_batch, a.max_tokens, teachers=4)
     off = dry_run(a, a.arch, 8, a.micro_batch, a.max_tokens, teachers=4, teacher_offload=True)
     key = "teachers (4, compute-dtype shards)"

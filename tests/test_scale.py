@@ -9,7 +9,7 @@ import torch
 
 import train_seq
 from common import resolve_attn
-from train_step import KNOWN_CONFIGS, dry_run, model_config, shard_rows
+from scale import KNOWN_CONFIGS, dry_run, model_config, shard_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import scale
 import train_seq
 import train_step
 
@@ -127,7 +128,7 @@ def test_a_script_with_only_the_shared_flag_groups_runs_every_shared_function(tm
     lp = train_step.episode_logprobs(model, eps, micro_batch=a.micro_batch, temperature=a.temperature)
     assert [len(x) for x in lp] == [len(e.token_ids) - e.prompt_len for e in eps]
     assert len(train_step.sft_epochs(model, opt, eps, epochs=1, batch=4, seed=0, **kw)) == 2
-    figures = train_step.dry_run(a, ckpt, 2, a.micro_batch, a.max_tokens)
+    figures = scale.dry_run(a, ckpt, 2, a.micro_batch, a.max_tokens)
     assert figures["fits"] and "dry run" in capsys.readouterr().out
     p2 = argparse.ArgumentParser()
     train_step.add_scale_flags(p2, "qwen3-8b")

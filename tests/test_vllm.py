@@ -270,3 +270,23 @@ def test_sdft_collects_its_pool_through_the_vllm_engine(tmp_path):
     f = json.load(open(os.path.join(runs, "sdft-pool", "pool.json")))["funnel"]["if"]
     assert f["generated"] == 32 and f["distinct"] > 0
     assert os.path.isfile(os.path.join(runs, "sdft", "model.safetensors"))
+
+
+def test_mmopd_samples_through_the_vllm_engine_and_pushes_every_update(tmp_path):
+    """mmopd.py --backend vllm: the student samples through the colocated engine, each episode is scored by its
+    teacher (here the committed tiny base for math and search), and each step's update is pushed into the engine."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tiny = os.path.join(root, "assets", "tiny-base")
+    out = str(tmp_path / "mmopd")
+    r = subprocess.run([sys.executable, "mmopd.py", "--runs", str(tmp_path / "runs"), "--domains", "math,search",
+                        "--student", tiny, "--teachers", f"math={tiny},search={tiny}", "--prompts", "4", "--group", "2",
+                        "--steps", "2", "--backend", "vllm", "--out", out], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "vllm backend: {'version'" in r.stdout and "[mmopd] step 2/2" in r.stdout
+    h = json.load(open(os.path.join(out, "acl_meta.json")))["history"]
+    # step 1: the student is its own teacher, sampled by vLLM and scored by transformers: the KL is float noise
+    assert len(h) == 2 and abs(h[0]["domains"]["math"]["rkl"]) < 1e-3 and h[0]["dropped"] == dict(math=0, search=0)

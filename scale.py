@@ -1,0 +1,139 @@
+"""The full-scale launch checked on paper (--dry-run): a model's architecture from its config.json without a download
+(the hub configs the presets name are built in), FSDP2's plan applied on the meta device under a fake process group,
+and the memory per rank it implies, training and generating, with a frozen reference model or teachers.
+
+    python train_seq.py --preset qwen3-8b --dry-run --world-size 16
+    python mmopd.py --preset qwen3-8b --dry-run
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from common import UsageError, is_checkpoint, resolve_attn, shard
+
+# The config.json fields of the hub models the presets and bench/gpu.sh name, so that --dry-run and the GPU
+# benchmark need no download (a local checkpoint's own config.json is read instead).
+KNOWN_CONFIGS = {
+    "Qwen/Qwen3-8B-Base": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "Qwen/Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+KNOWN_CONFIGS["Qwen/Qwen3-8B"] = KNOWN_CONFIGS["Qwen/Qwen3-8B-Base"]
+
+
+def model_config(init: str):
+    """The transformers config of --init without downloading: its config.json if it is a local directory,
+    the built-in copy for a model KNOWN_CONFIGS names, else the local hub cache (or a UsageError)."""
+    from transformers import AutoConfig, Qwen3Config
+    if is_checkpoint(init):
+        return AutoConfig.from_pretrained(init)
+    if init in KNOWN_CONFIGS:
+        return Qwen3Config(**KNOWN_CONFIGS[init])
+    try:
+        return AutoConfig.from_pretrained(init, local_files_only=True)
+    except OSError:
+        raise UsageError(f"no config for {init}: not a local checkpoint, not cached, not one of "
+                         f"{', '.join(KNOWN_CONFIGS)}") from None
+
+
+def shard_rows(n: int, world: int, r: int) -> int:
+    """Rows of a dim-0 size n that FSDP2 puts on rank r: torch.chunk's split (ceil(n / world) per rank,
+    the last ranks short or empty)."""
+    per = -(-n // world)
+    return max(0, min(per, n - r * per))
+
+
+def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model: bool = False,
+            gpu_gb: float = 141.0, teachers: int = 0, teacher_offload: bool = False):
+    """Build `init`'s architecture on the meta device (no weights, no download), apply shard()'s FSDP2 plan
+    under a fake process group of `world` ranks, and print the parameters per rank, an estimate of the
+    memory per rank and the resolved configuration. Returns the figures (tests read them).
+
+    Memory per rank, in bytes, P_r = this rank's parameters (FSDP2 shards every tensor on dim 0):
+      fp32 master weights 4 P_r + fp32 gradients 4 P_r + AdamW moments 8 P_r (on the host with --cpu-offload);
+      the all-gathered unit: the root (embeddings, lm_head, final norm; gathered for the whole step) plus two
+      decoder layers (the one computing and the one prefetched), at the compute dtype, plus the largest unit's
+      unsharded fp32 gradient before its reduce-scatter;
+      activations: with activation checkpointing each layer keeps its input (h per token) and one layer is
+      recomputed at a time; without it every layer keeps the inputs of its matmuls and norms,
+      4h + 3q + 2kv + 4i values per token (q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate);
+      logits: micro_batch x seq_len x vocab at the compute dtype, and their gradient; the float32 log-softmax
+      runs 4,096 tokens at a time and is recomputed in backward (selected_logprobs);
+      a frozen reference model (ref_model, e.g. GRPO's --kl-coef > 0): its fp32 shard, 4 P_r;
+      frozen teachers (MMOPD, `teachers` of them, all resident): each its shard at the compute dtype (2 P_r under
+      bf16; on the host with teacher_offload), plus their scoring pass's float32 logits chunk (4,096 tokens x V x 3);
+      the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
+    vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
+    --vllm-gpu-util of the GPU while generating, so it is listed apart."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from transformers import AutoModelForCausalLM
+    cfg = model_config(init)
+    if dist.is_initialized():
+        raise RuntimeError("--dry-run runs in one process, not under torchrun")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        n_total = sum(p.numel() for p in model.parameters())
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        root = n_total - layer * len(model.model.layers)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        shard(model, bf16=a.bf16, cpu_offload=a.cpu_offload)
+        local0 = sum(p.to_local().numel() for p in model.parameters())   # what FSDP2 really put on rank 0
+    finally:
+        dist.destroy_process_group()
+    per_rank = [sum(shard_rows(s[0], world, r) * math.prod(s[1:]) for s in shapes) for r in range(world)]
+    assert per_rank[0] == local0, (per_rank[0], local0)   # the chunk rule above is FSDP2's
+    P_r = max(per_rank)
+    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    cb = 2 if a.bf16 else 4                                  # compute dtype bytes
+    tokens = micro_batch * seq_len
+    per_layer_acts = (4 * h + 3 * q + 2 * kv + 4 * i) * cb * tokens
+    acts = (L * h * cb * tokens + per_layer_acts) if a.grad_ckpt else L * per_layer_acts
+    states = 16 * P_r
+    mem = {
+        "weights+grads+adam (fp32, sharded)": 0 if a.cpu_offload else states,
+        "gathered params (root + 2 layers)": (root + 2 * layer) * cb + max(root, layer) * 4,
+        "activations": acts,
+        "logits (+ grad; fp32 work chunked)": tokens * V * 2 * cb + min(tokens, 4096) * V * 10,
+        "reference model": 4 * P_r if ref_model else 0,
+        "hf engine (unsharded copy)": n_total * cb if a.backend == "hf" and world > 1 else 0,
+    }
+    teacher_key = f"teachers ({teachers}, compute-dtype shards)"
+    if teachers:
+        mem[teacher_key] = 0 if teacher_offload else teachers * cb * P_r
+        mem["teacher scoring (fp32 logits chunk)"] = min(tokens, 4096) * V * 12
+    gb = lambda x: x / 2**30
+    total = sum(mem.values())
+    print(f"dry run: {init} ({cfg.model_type}, {n_total / 1e9:.3f}B parameters) on {world} ranks, FSDP2 plan: "
+          f"each of {L} decoder layers, then the root; bf16 compute {a.bf16}, activation checkpointing "
+          f"{a.grad_ckpt}, cpu offload {a.cpu_offload}, attention {resolve_attn(a.attn)}")
+    print(f"parameters per rank: max {P_r / 1e6:.1f}M, min {min(per_rank) / 1e6:.1f}M "
+          f"(one layer {layer / 1e6:.1f}M, root {root / 1e6:.1f}M)")
+    print(f"estimated GPU memory per rank, micro-batch {micro_batch} x {seq_len} tokens:")
+    for k, v in mem.items():
+        print(f"  {k:<38} {gb(v):8.2f} GiB")
+    if a.cpu_offload:
+        print(f"  {'(host) weights+grads+adam, offloaded':<38} {gb(states):8.2f} GiB")
+    if teachers and teacher_offload:
+        print(f"  {'(host) teachers, offloaded':<38} {gb(teachers * cb * P_r):8.2f} GiB")
+    vllm = a.vllm_gpu_util * gpu_gb * 2**30 if a.backend == "vllm" else 0.0
+    print(f"  {'training total':<38} {gb(total):8.2f} GiB")
+    generating = 0.0
+    if vllm:   # while vLLM generates, the sharded training state stays on the GPU beside it
+        generating = vllm + mem["weights+grads+adam (fp32, sharded)"] + mem["reference model"] + \
+            mem.get(teacher_key, 0)
+        print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
+        print(f"  {'generation total (vLLM + sharded state)':<38} {gb(generating):8.2f} GiB")
+    peak = max(total, generating)
+    verdict = "fits" if peak < gpu_gb * 2**30 else "does NOT fit"
+    print(f"peak {gb(peak):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
+    print(f"resolved config: {vars(a)}")
+    return dict(n_params=n_total, per_rank=per_rank, memory=mem, total=total, generating=generating, peak=peak,
+                fits=verdict == "fits")
