@@ -33,9 +33,9 @@ BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's direct
 #    Qwen3-8B-Base (seconds). `python -m envs.tiny --out runs/tiny/base` rebuilds it (~12.5 min; float
 #    differences between machines give a different base: see the README's base section)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || { mkdir -p "$RUNS" && cp -r assets/tiny-base "$RUNS/base"; }
-# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~7 min)
+# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~5 min)
 $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS
-# 3. the four single-task oracles, each one stage from the base (~7 min)
+# 3. the four single-task oracles, each one stage from the base (~9 min)
 $RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
@@ -53,7 +53,7 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || python merge.py --base "$BASE" --models "${STAGES[@]}" \
     --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} --out "$RUNS/merge/balanced"
 # 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
-#    their balanced union, from the base -> runs/tiny/sdft (~8 min)
+#    their balanced union, from the base -> runs/tiny/sdft (~3 min)
 $RUN sdft.py --preset "$ARENA" $TRAIN_ARGS
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
 #    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~8 min)

@@ -14,7 +14,9 @@ ood), so test answers must be retrieved, not memorised. train/val/test questions
 
 Full scale: QA rows in FlashRAG's format (`id`, `question`, `golden_answers`) from `data` (a directory
 `<dataset>/<split>.jsonl` or a single file) and either a wiki-18 style corpus JSONL (`id`, `contents`
-= '"Title"\\ntext') indexed with bm25s, or the URL of a Search-R1 compatible retrieval server.
+= '"Title"\\ntext') indexed with bm25s, or the URL of a Search-R1 compatible retrieval server (its
+search_r1/search/retrieval_server.py: POSTed {"queries": [q], "topk": k, "return_scores": true}, it answers
+result[0][i]["document"]["contents"]).
 
     env = SearchEnv()                                         # tiny world
     env = SearchEnv(data="data/flashrag", corpus="data/wiki18.jsonl")

@@ -83,7 +83,7 @@ def test_the_reverse_kl_advantage_is_the_exact_reverse_kl_and_its_gradient_in_ex
     w = ls.exp().detach()
     exact = (ls.exp() * (ls - t_lz)).sum()
     assert torch.allclose((w * loss[:, 0]).sum(), exact.detach(), atol=1e-6)
-    g, = torch.autograd.grad((w * loss[:, 0]).sum(), s_logits)
+    g, = torch.autograd.grad((w * loss[:, 0]).sum(), s_logits, retain_graph=True)
     g_exact, = torch.autograd.grad(exact, s_logits)
     assert torch.allclose(g, g_exact, atol=1e-6)
 
