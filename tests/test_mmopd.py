@@ -309,6 +309,11 @@ def test_bad_input_stops_with_one_line_before_anything_is_written(models, tok, t
     other = str(tmp_path / "other")
     save_checkpoint(other, Qwen3ForCausalLM(model_config(other_tok, "micro", 256)), other_tok, dict(method="base"))
     refused(["--teachers", f"math={models['t_math']},search={other}"], "search teacher", "another tokenizer")
+    cfg = model_config(tok, "micro", 2048)
+    cfg.vocab_size += 8                      # the same tokenizer, a padded vocabulary
+    wide = str(tmp_path / "wide")
+    save_checkpoint(wide, Qwen3ForCausalLM(cfg), tok, dict(method="base"))
+    refused(["--teachers", f"math={wide},search={models['t_search']}"], "math teacher", "vocabulary of")
 
 
 def test_torchrun_two_ranks_route_score_and_train(models, tmp_path):
