@@ -13,7 +13,8 @@ plotted with forgetting, BWT and FWT (eval/seq_matrix.png, eval/seq_matrix.json)
     python evaluate.py --ckpt runs/tiny/seq/4-if --suite tiny --matrix                   # matrix with saved rows
     python evaluate.py --ckpt runs/qwen3-8b/seq/4-if --suite full \\
         --source aime26=MathArena/aime_2026 --search-data data/flashrag --search-corpus data/wiki18.jsonl \\
-        --tau-data data/tau2/retail --source tau_ood=data/tau_ood --user-url http://localhost:8000/v1
+        --tau-data data/tau2/retail --source tau_ood=data/tau_ood --user-url http://localhost:8000/v1 \\
+        --user-model Qwen/Qwen3-32B
 
 Suites. tiny: each domain's `test` (in-domain) and `ood` split of the tiny worlds, 300 tasks, k=1. full: AIME26
 (avg@16), GPQA-Diamond, MMLU-Redux, NQ, TriviaQA, PopQA, HotpotQA, 2Wiki, MuSiQue, Bamboogle, tau-retail, tau-OOD,

@@ -64,7 +64,7 @@ from common import (
     usage_exit,
     world_size,
 )
-from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains
+from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
 from envs.rollout import make_backend, push_weights, rollout
 from scale import dry_run, model_config
 from train_step import (
@@ -230,6 +230,8 @@ def check_args(a):
         if a.top_q > vocab:
             raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
         return a
+    if a.preset != "tiny":
+        require_real_data(a, a.domains)
     if not is_checkpoint(a.student):
         raise UsageError(f"--student checkpoint not found: {a.student} (the default is Seq-Final: python train_seq.py)")
     a.teacher_paths = teacher_paths(a)

@@ -80,7 +80,7 @@ from common import (
     world_size,
     write_atomically,
 )
-from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain
+from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain, require_real_data
 from envs.base import EpisodeState, read_jsonl, valid_tool_calls
 from envs.rollout import Episode, episode_record, make_backend, rollout
 from scale import dry_run
@@ -374,6 +374,8 @@ def check_args(a):
     if a.dry_run:
         return a
     a.pool_dir = a.pool or os.path.join(a.runs, "sdft-pool")
+    if not a.pool and a.preset != "tiny" and not os.path.isfile(os.path.join(a.pool_dir, "pool.json")):
+        require_real_data(a, a.domains)   # collecting: the oracles run in the real environments
     given = dict(x.partition("=")[::2] for x in a.oracles.split(",")) if a.oracles else {}
     if given:
         parse_domains(",".join(given))

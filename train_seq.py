@@ -68,7 +68,7 @@ from common import (
     usage_exit,
     world_size,
 )
-from envs import add_data_flags, env_options, load_envs, per_domain
+from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
 from envs.base import UsageError
 from envs.rollout import expert_episodes, make_backend, push_weights, saved_episodes
 from evaluate import evaluate_inrun, inrun_path
@@ -479,6 +479,8 @@ def check_args(a):
         raise UsageError(f"--init checkpoint not found: {a.init} (the tiny arena: cp -r assets/tiny-base runs/tiny/base, "
                          f"or rebuild it with python -m envs.tiny)")
     a.runs = a.runs or os.path.join("runs", a.preset)
+    if a.preset != "tiny" and not a.dry_run:
+        require_real_data(a, a.curriculum)
     a.env_opts = env_options(a)
     cold = [d for d, n in a.rft_prompts_by_domain.items() if n > 0]
     if a.expert_data and a.cold_start != "expert":

@@ -87,13 +87,41 @@ def add_data_flags(p, train: bool = False):
     p.add_argument("--retriever-url", default=None, help="search: a Search-R1 retrieval server instead of BM25")
     p.add_argument("--tau-data", default=None, help="ecommerce: tau-bench v1 or tau2/tau3 retail data directory")
     p.add_argument("--user-url", default=None, help="ecommerce: OpenAI-compatible endpoint of the simulated user")
-    p.add_argument("--user-model", default=None, help="ecommerce: the simulated user's model name (default gpt-4o)")
+    p.add_argument("--user-model", default=None, help="ecommerce: the simulated user's model name (required with "
+                                                       "--user-url)")
     p.add_argument("--user-key-env", default=None, help="ecommerce: the environment variable holding the user "
                    "endpoint's API key (e.g. OPENAI_API_KEY); no key is sent unless one is named")
 
 
+# What each domain needs to run on real data (full scale): the flags, and what they give it. Without them a domain
+# would fall back to its tiny world, which at full scale is a silent failure (issue 22).
+REAL_DATA = {"math": [("math_data", "--math-data")],
+             "search": [("search_data", "--search-data"), (("search_corpus", "retriever_url"),
+                                                            "--search-corpus or --retriever-url")],
+             "ecommerce": [("tau_data", "--tau-data"), ("user_url", "--user-url"), ("user_model", "--user-model")],
+             "if": [("if_data", "--if-data")]}
+
+
+def require_real_data(a, domains):
+    """UsageError (one line, every missing flag named) unless each of `domains` has its real data: the full-scale
+    presets refuse to train on the tiny worlds."""
+    missing = []
+    for d in domains:
+        for attrs, flag in REAL_DATA[d]:
+            attrs = attrs if isinstance(attrs, tuple) else (attrs,)
+            if not any(getattr(a, x, None) for x in attrs):
+                missing.append(f"{flag} ({d})")
+    if missing:
+        raise UsageError(f"--preset {a.preset} trains on real data only; missing: {', '.join(missing)} (the tiny "
+                         f"worlds are --preset tiny)")
+
+
 def env_options(a) -> dict:
-    """{domain: its Env's constructor arguments} from add_data_flags' flags; flags left unset are left out."""
+    """{domain: its Env's constructor arguments} from add_data_flags' flags; flags left unset are left out.
+    UsageError for --user-url without --user-model: a server answers an unknown model name with an error, and every
+    e-commerce episode would then end in a user error (reward 0)."""
+    if a.user_url and not a.user_model:
+        raise UsageError("--user-url needs --user-model, the model name that endpoint serves (e.g. Qwen/Qwen3-32B)")
     opts = dict(math=dict(data=getattr(a, "math_data", None)),
                 search=dict(data=a.search_data, corpus=a.search_corpus, retriever_url=a.retriever_url),
                 ecommerce=dict(data=a.tau_data, user_url=a.user_url, user_model=a.user_model,

@@ -80,3 +80,34 @@ def test_gpu_step_smoke():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| training tokens/s |" in r.stdout and "| MFU (vs 989 TFLOP/s bf16 dense) |" in r.stdout
     assert "| hf generation:" in r.stdout
+
+
+@pytest.mark.parametrize("script", ["train_seq.py", "mmopd.py", "sdft.py"])
+def test_the_full_scale_presets_refuse_the_tiny_worlds(script, tmp_path):
+    """--preset qwen3-8b without a domain's data would train on that domain's tiny world: refused in one line that
+    names every missing flag, before anything is written (a dry run needs no data)."""
+    ck = tmp_path / "ck"
+    from transformers import Qwen3Config
+    Qwen3Config(**dict(KNOWN_CONFIGS["Qwen/Qwen3-1.7B"], num_hidden_layers=1)).save_pretrained(ck)
+    args = ["--preset", "qwen3-8b", "--runs", str(tmp_path / "runs"), "--domains" if script != "train_seq.py" else
+            "--curriculum", "search,ecommerce", "--search-data", str(tmp_path)]
+    if script == "sdft.py":   # sdft checks its student first; a config-only directory is enough to get past it
+        (ck / "model.safetensors").write_bytes(b"")
+        args += ["--student", str(ck)]
+    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    for flag in ("--search-corpus or --retriever-url (search)", "--tau-data (ecommerce)", "--user-url (ecommerce)",
+                 "--user-model (ecommerce)"):
+        assert flag in r.stderr, r.stderr
+    assert "--search-data" not in r.stderr and not os.path.exists(tmp_path / "runs")
+
+
+def test_a_user_endpoint_without_a_model_name_is_refused(tmp_path):
+    """A served model answers an unknown name with an error, which would end every e-commerce episode in a user error
+    (reward 0): --user-url needs --user-model, in every script that takes it."""
+    for cmd in (["train_seq.py", "--curriculum", "ecommerce", "--runs", str(tmp_path / "runs")],
+                ["evaluate.py", "--suite", "full", "--ckpt", os.path.join(ROOT, "assets", "tiny-base"), "--benchmarks",
+                 "tau-retail", "--out-dir", str(tmp_path / "eval")]):
+        r = subprocess.run([sys.executable, *cmd, "--user-url", "http://127.0.0.1:9/v1"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--user-url needs --user-model" in r.stderr, (cmd, r.stderr[-2000:])
