@@ -112,6 +112,7 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
                     flag = "--tau-data DIR or --source tau_retail=DIR" if b == "tau_retail" else f"--source {b}=DIR"
                     raise UsageError(f"{b} needs a tau-bench/tau2 data directory: pass {flag}")
                 env = make_env(d, **dict(opts, data=data))
+                env.check_services()
                 tasks = env.tasks("test", n=n)
             elif d == "if":  # IFBench has ids without a checker here: drop those rows (counted) rather than fail
                 env = make_env(d, **dict(opts, skip_unknown=b == "ifbench"))
@@ -119,6 +120,7 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
             else:
                 if d not in envs:
                     envs[d] = make_env(d, **opts)
+                    envs[d].check_services()
                 env = envs[d]
                 tasks = env.benchmark(b, source=sources.get(b), n=n)
             out[b] = (env, tasks)

@@ -23,11 +23,13 @@ def make_env(domain: str, **options):
 
 def load_envs(domains, env_opts: dict, seed: int = 0) -> dict:
     """{domain: its environment}, each with its train prompts loaded once, for a script to check every domain's
-    data before any work: UsageError naming the domain on a bad flag, a missing file or a loader's own error."""
+    data and services before any work: UsageError naming the domain on a bad flag, a missing file, a loader's own
+    error or an outside service that does not answer (Env.check_services)."""
     envs = {}
     for d in domains:
         try:
             env = make_env(d, **env_opts.get(d, {}))
+            env.check_services()
             n = len(env.tasks("train", seed=seed))
         except UsageError as e:
             raise UsageError(f"{d}: {e}") from None

@@ -68,6 +68,11 @@ class Env:
         (an HF dataset id or a local file; None: the benchmark's default), the first n (None: all)."""
         raise UsageError(f"the {self.domain or type(self).__name__} environment has no benchmark {name!r}")
 
+    def check_services(self):
+        """UsageError (one line) unless the outside services this environment was given answer (an LLM user, a
+        retrieval server): called once before any work, so that a run never trains on the zero rewards of a dead
+        service. No service (the tiny worlds, a local corpus): nothing to check."""
+
     def compliant(self, state: EpisodeState) -> bool:
         """Did a finished episode keep this environment's protocol (SDFT's third filter)? Here: it ended by itself,
         not cut at the turn or token limit; each domain adds its own rules (a final answer in its format and nothing

@@ -971,22 +971,47 @@ class EcommerceEnv(Env):
         text = text.encode("utf-8", "backslashreplace").decode("utf-8")
         return tool_message(re.sub(r"[^A-Za-z0-9_]", "", name)[:64] or "error", text)
 
-    def _llm_turn(self, state):
-        """The LLM user's next message; a failed call ends the episode (user_error=1) instead of raising."""
-        chat = state.info["user_chat"]
+    def _chat(self, chat: list, max_tokens: int | None = None) -> str:
+        """One request to the LLM user's endpoint -> its reply, reasoning removed. Qwen3 user models are asked not to
+        think (chat_template_kwargs, as the released code does; other servers are not sent the field). Raises what
+        the HTTP call or a malformed answer raises."""
         url = self.user_url.rstrip("/")
         url = url if url.endswith("/chat/completions") else url + "/chat/completions"
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.user_api_key_env, "") if self.user_api_key_env else ""
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        body = json.dumps({"model": self.user_model, "messages": chat, "temperature": 0.0}).encode()
+        request = {"model": self.user_model, "messages": chat, "temperature": 0.0}
+        if "qwen3" in self.user_model.lower():
+            request["chat_template_kwargs"] = {"enable_thinking": False}
+        if max_tokens:
+            request["max_tokens"] = max_tokens
+        with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(request).encode(), headers=headers),
+                                    timeout=self.user_timeout) as r:
+            reply = json.loads(r.read())["choices"][0]["message"]["content"]
+        if not isinstance(reply, str):
+            raise TypeError("no text in the user model's reply")
+        # a reasoning model's thoughts are not what the user says: drop <think>...</think> (and a reply whose
+        # opening tag the template already wrote, so that only the closing one is left)
+        reply = re.sub(r"<think>.*?</think>", "", reply, flags=re.DOTALL)
+        return reply.split("</think>")[-1].strip()
+
+    def check_services(self):
+        """One probe request to the LLM user (a user model that cannot answer would end every episode in a user
+        error, reward 0)."""
+        if not self.user_url:
+            return
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers),
-                                        timeout=self.user_timeout) as r:
-                reply = json.loads(r.read())["choices"][0]["message"]["content"]
-            if not isinstance(reply, str):
-                raise TypeError("no text in the user model's reply")
+            self._chat([{"role": "user", "content": "Reply with the word ok."}], max_tokens=16)
+        except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as e:
+            raise UsageError(f"the user model {self.user_model!r} at {self.user_url} does not answer a probe "
+                             f"({type(e).__name__}: {str(e)[:200]}): start it, or fix --user-url/--user-model") from None
+
+    def _llm_turn(self, state):
+        """The LLM user's next message; a failed call ends the episode (user_error=1) instead of raising."""
+        chat = state.info["user_chat"]
+        try:
+            reply = self._chat(chat)
         except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException):
             state.info["user_error"] = 1.0
             state.info["ended"] = "user_error"

@@ -28,6 +28,7 @@ Differences from the paper's setup (slime's search-r1 example):
    through `retriever_url`.
 2. The reward is plain exact match in [0, 1], not the shaped EM in [-0.2, 1].
 """
+import http.client
 import json
 import os
 import random
@@ -328,6 +329,19 @@ class SearchEnv(Env):
             self.index = BM25Index([passage(e) for e in self.world.values()])
         else:
             self.index = None  # the HTTP retriever
+
+    def check_services(self):
+        """One probe query to --retriever-url (a retrieval server that cannot answer would turn every search into an
+        error observation)."""
+        if not self.retriever_url:
+            return
+        try:
+            hits = http_search(self.retriever_url, "probe", 1, self.timeout)
+            if not isinstance(hits, list):
+                raise TypeError("no list of passages")
+        except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as e:
+            raise UsageError(f"the retriever at {self.retriever_url} does not answer a probe query ({type(e).__name__}:"
+                             f" {str(e)[:200]}): start it, or fix --retriever-url") from None
 
     # -- tasks
 

@@ -744,3 +744,29 @@ def test_the_user_key_goes_only_where_it_is_named(tmp_path, fake_user, monkeypat
     assert "goes to 10.1.2.3 over plain http" in capsys.readouterr().err
     EcommerceEnv(data=write_v1(tmp_path / "v4"), user_url=user.url, user_api_key_env="OPENAI_API_KEY")
     assert "plain http" not in capsys.readouterr().err   # the loopback address: no warning
+
+
+def test_the_user_model_is_probed_before_work_thinks_not_and_its_reasoning_is_dropped(tmp_path, fake_user):
+    """Issue 22: a Qwen3 user is asked not to think (chat_template_kwargs; other servers are not sent the field), its
+    <think> text never reaches the agent, and a user endpoint that does not answer stops load_envs in one line."""
+    from envs import load_envs
+    user = fake_user(["<think>I should ask about the keyboard.</think> I want to exchange my keyboard.",
+                      "the template opened it</think>Yes, please."])
+    env = EcommerceEnv(data=write_tau2(tmp_path / "t2"), user_url=user.url, user_model="Qwen/Qwen3-32B")
+    state = env.reset(env.tasks("test")[0])
+    assert state.messages[-1]["content"] == "I want to exchange my keyboard."
+    assert user.requests[-1]["body"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert env.step(state, "Shall I go ahead?")[0]["content"] == "Yes, please."
+    other = EcommerceEnv(data=write_tau2(tmp_path / "t2"), user_url=user.url, user_model="gpt-4o")
+    other.check_services()
+    assert "chat_template_kwargs" not in user.requests[-1]["body"] and user.requests[-1]["body"]["max_tokens"] == 16
+    for status in (404, 500):
+        bad = fake_user(["x"], status=status)
+        with pytest.raises(UsageError, match=r"the user model 'nobody' at .* does not answer a probe .*HTTPError"):
+            EcommerceEnv(data=write_tau2(tmp_path / "t2"), user_url=bad.url, user_model="nobody").check_services()
+    closed = FakeUser([])
+    closed.close()
+    opts = {"ecommerce": dict(data=write_tau2(tmp_path / "t2"), user_url=closed.url, user_model="m", user_timeout=2)}
+    with pytest.raises(UsageError, match=r"^ecommerce: the user model 'm' .* does not answer a probe"):
+        load_envs(["ecommerce"], opts)
+    EcommerceEnv().check_services()   # the tiny world's scripted user: nothing to probe

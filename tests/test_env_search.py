@@ -345,3 +345,17 @@ def test_bad_user_input_raises_one_clear_line(flashrag, tmp_path):
             make()
         assert "\n" not in str(e.value)
     assert len(BENCHMARKS) == 7
+
+
+def test_the_retriever_is_probed_before_work(flashrag, retriever):
+    """Issue 22: a retrieval server that does not answer stops load_envs (every script's data check) in one line,
+    instead of turning every search of a run into an error observation."""
+    from envs import load_envs
+    SearchEnv(data=str(flashrag / "qa"), retriever_url=retriever, timeout=5).check_services()
+    assert RETRIEVER_REQUESTS[-1] == {"queries": ["probe"], "topk": 1, "return_scores": True}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/retrieve"
+    with pytest.raises(UsageError, match=r"^search: the retriever at .* does not answer a probe query"):
+        load_envs(["search"], {"search": dict(data=str(flashrag / "qa"), retriever_url=dead, timeout=2)})
+    SearchEnv().check_services()   # the tiny world's own index: nothing to probe
