@@ -65,7 +65,7 @@ from common import (
     world_size,
 )
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
-from envs.rollout import make_backend, push_weights, rollout
+from envs.rollout import ServiceError, check_user_errors, make_backend, push_weights, rollout
 from scale import dry_run, model_config
 from train_step import (
     Cursor,
@@ -383,6 +383,7 @@ def main(argv=None):
             eps = rollout(backend, tok, [(envs[d], t) for d, t in mine], a.group, a.temperature,
                           max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens,
                           seed=(a.seed * 1_000_003 + step) * 97 + rank())
+            check_user_errors(eps, a.max_user_errors, f"[mmopd] step {step}")   # never distil from a dead user's 0s
             t_gen = time.time() - ts
             n_gen = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
             backend.sleep()
@@ -435,7 +436,7 @@ def main(argv=None):
         if rank() == 0:
             mark_diverged(a.out, str(e))
         sys.exit(f"error: [mmopd] step {step}: {e}; nothing non-finite was saved")
-    except TeacherFailure as e:
+    except (TeacherFailure, ServiceError) as e:
         sys.exit(f"error: [mmopd] {e}")
     sd = full_state_dict(policy)
     if rank() == 0:

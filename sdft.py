@@ -82,7 +82,7 @@ from common import (
 )
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain, require_real_data
 from envs.base import EpisodeState, read_jsonl, valid_tool_calls
-from envs.rollout import Episode, episode_record, make_backend, rollout
+from envs.rollout import Episode, ServiceError, check_user_errors, episode_record, make_backend, rollout
 from scale import dry_run
 from train_step import (
     Cursor,
@@ -186,6 +186,7 @@ def collect(a, envs, device) -> tuple:
         t_gen = time.time()   # the sampling alone (loading the oracle and the train prompts is not the backend's speed)
         eps = rollout(backend, a.tok, [(env, t) for t in mine], a.group, a.temperature, max_tokens=a.max_tokens,
                       max_turn_tokens=a.max_turn_tokens, seed=a.seed * 7919 + rank())
+        check_user_errors(eps, a.max_user_errors, f"[sdft] collecting {d}")   # a dead user's episodes all fail
         dt, gen = time.time() - t0, all_reduce_max(time.time() - t_gen)
         n_tok = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
         del backend, engine
@@ -447,7 +448,10 @@ def main(argv=None):
     if collecting:
         from transformers import AutoTokenizer
         a.tok = AutoTokenizer.from_pretrained(a.oracles[a.domains[0]])
-        records, funnels = collect(a, envs, device)
+        try:
+            records, funnels = collect(a, envs, device)
+        except ServiceError as e:
+            sys.exit(f"error: {e}; nothing written")
         print_funnel(funnels)
         for d, f in funnels.items():
             empty = next((k for k in FILTERS if f[k] == 0), None)

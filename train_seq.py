@@ -70,7 +70,7 @@ from common import (
 )
 from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
 from envs.base import UsageError
-from envs.rollout import expert_episodes, make_backend, push_weights, saved_episodes
+from envs.rollout import ServiceError, check_user_errors, expert_episodes, make_backend, push_weights, saved_episodes
 from evaluate import evaluate_inrun, inrun_path
 from scale import dry_run
 from train_step import (
@@ -183,8 +183,10 @@ def check_stage(a, i: int, domain: str):
 
 def rollouts(backend, tok, env, tasks, n, a, seed, adapter=None):
     from envs.rollout import rollout
-    return rollout(backend, tok, [(env, t) for t in tasks], n, a.temperature, max_tokens=a.max_tokens,
-                   max_turn_tokens=a.max_turn_tokens, seed=seed, adapters=[adapter] * len(tasks) if adapter else None)
+    eps = rollout(backend, tok, [(env, t) for t in tasks], n, a.temperature, max_tokens=a.max_tokens,
+                  max_turn_tokens=a.max_turn_tokens, seed=seed, adapters=[adapter] * len(tasks) if adapter else None)
+    check_user_errors(eps, a.max_user_errors, f"{env.domain} rollouts")   # a failing user: stop, never train on 0s
+    return eps
 
 
 def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name):
@@ -538,6 +540,8 @@ def main(argv=None):
         if rank() == 0:   # a restart refuses to continue from here (check_stage)
             mark_diverged(out, str(e))
         sys.exit(f"error: {e}; nothing non-finite was saved; the last good checkpoint is {parent}")
+    except ServiceError as e:   # the stage's resume state (if any) is kept: a restart continues from there
+        sys.exit(f"error: {e}; stopped before training on it; the last finished checkpoint is {parent}")
     except OSError as e:
         sys.exit(f"error: a write failed: {e}")
     print0(f"done in {time.time() - t0:.0f}s")

@@ -91,6 +91,8 @@ def add_data_flags(p, train: bool = False):
     p.add_argument("--user-url", default=None, help="ecommerce: OpenAI-compatible endpoint of the simulated user")
     p.add_argument("--user-model", default=None, help="ecommerce: the simulated user's model name (required with "
                                                        "--user-url)")
+    p.add_argument("--max-user-errors", type=float, default=0.25, help="ecommerce: stop a run when more than this "
+                   "fraction of one batch's episodes end in a user-model error (their reward would be 0)")
     p.add_argument("--user-key-env", default=None, help="ecommerce: the environment variable holding the user "
                    "endpoint's API key (e.g. OPENAI_API_KEY); no key is sent unless one is named")
 
@@ -122,6 +124,8 @@ def env_options(a) -> dict:
     """{domain: its Env's constructor arguments} from add_data_flags' flags; flags left unset are left out.
     UsageError for --user-url without --user-model: a server answers an unknown model name with an error, and every
     e-commerce episode would then end in a user error (reward 0)."""
+    if not 0 <= getattr(a, "max_user_errors", 0.0) <= 1:
+        raise UsageError("--max-user-errors is a fraction in [0, 1]")
     if a.user_url and not a.user_model:
         raise UsageError("--user-url needs --user-model, the model name that endpoint serves (e.g. Qwen/Qwen3-32B)")
     opts = dict(math=dict(data=getattr(a, "math_data", None)),

@@ -421,6 +421,23 @@ class ChatML:
         return self.encode(after[len(before):])
 
 
+class ServiceError(RuntimeError):
+    """An outside service failed on too many of one batch's episodes: training on the zero rewards it left would be
+    a silent failure."""
+
+
+def check_user_errors(episodes, max_fraction: float, where: str):
+    """ServiceError when more than max_fraction of the batch's e-commerce episodes (every rank's: call it on all
+    ranks at once) ended in a user-model error (metrics["user_error"]); episodes of other domains do not count."""
+    from common import all_reduce_sum
+    eco = [e for e in episodes if "user_error" in e.metrics]
+    n = all_reduce_sum(float(len(eco)))
+    bad = all_reduce_sum(float(sum(e.metrics["user_error"] >= 1 for e in eco)))
+    if n and bad / n > max_fraction:
+        raise ServiceError(f"{where}: {int(bad)} of {int(n)} e-commerce episodes ended in a user-model error (more than "
+                           f"--max-user-errors {max_fraction:g}): the user model at --user-url is failing")
+
+
 def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, max_turns: int | None = None,
             max_tokens: int = MAX_TOKENS, max_turn_tokens: int = MAX_TURN_TOKENS, seed: int | None = None, adapters=None):
     """Roll out every (env, task) in `items` n_samples times; returns Episodes in items x samples order.

@@ -220,3 +220,29 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tree, capsys, monk
         merge.main(["--base", "runs/base", "--models", "runs/s1", "runs/s2", "--weights", "0.5", "0.5", "--out", "runs/m"])
     assert str(e.value.code).startswith("error: writing runs/m failed: [Errno 28] No space left on device")
     assert snapshot(tree) == before   # the temporary directory went with the failure
+
+
+def test_a_user_model_that_starts_failing_mid_run_stops_the_run_with_the_count(tmp_path):
+    """Issue 22: the LLM user answers the start-up probe, then fails every request: the first GRPO batch's e-commerce
+    episodes all end in a user error, and the run stops with the count instead of training on their zero rewards."""
+    import subprocess
+
+    from fake_http import JSONServer
+    init = os.path.join(ROOT, "assets", "tiny-base")   # it talks to the user (a micro model's turns hit the limit)
+    calls = []
+
+    def respond(path, headers, body):
+        calls.append(body)
+        if len(calls) == 1:   # the probe
+            return 200, {"choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+        return 500, None
+    with JSONServer(respond) as user:
+        r = subprocess.run([sys.executable, "train_seq.py", "--curriculum", "ecommerce", "--init", init, "--runs",
+                            str(tmp_path / "runs"), "--steps", "ecommerce=1", "--prompts", "ecommerce=2", "--group", "2",
+                            "--rft-prompts", "0", "--eval-n", "0", "--threads", "1",
+                            "--user-url", user.url + "/v1", "--user-model", "m"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "of 4 e-commerce episodes ended in a user-model error (more than --max-user-errors 0.25)" in r.stderr
+    assert "stopped before training on it" in r.stderr and len(calls) > 1
+    assert not os.path.exists(tmp_path / "runs" / "seq" / "1-ecommerce")
