@@ -307,6 +307,31 @@ def remove_leftovers(outs: list, *dirs):
         print0(f"removed {path}, left by a killed run")
 
 
+class Metrics:
+    """The per-step metrics of the run that makes checkpoint directory `out`, one JSON line per step in
+    <out>.metrics.jsonl beside it (runs/tiny/seq/1-math.metrics.jsonl), written by rank 0 and flushed at once. Made
+    with the step the run resumes from: the rows after it (the killed attempt's last steps) are dropped, so a resumed
+    run holds each step exactly once; a run from step 0 starts the file afresh."""
+
+    def __init__(self, out: str, resume_step: int = 0):
+        self.path = os.path.abspath(out) + ".metrics.jsonl"
+        if rank() != 0:
+            return
+        rows = []
+        if resume_step and os.path.isfile(self.path):
+            with open(self.path) as f:
+                rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        def write(tmp):
+            with open(tmp, "w") as f:
+                f.writelines(rows)
+        write_file_atomically(self.path, write)
+
+    def log(self, row: dict):
+        if rank() == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(dict(row, time=round(time.time(), 1)), default=float) + "\n")
+
+
 def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = None):
     """Everything needed to resume training beside the checkpoint: the model and optimizer state (full,
     gathered to rank 0 under FSDP2), the RNG states and `extra` (step, data cursor, ...), and first `recipe`

@@ -38,6 +38,7 @@ import time
 import torch
 
 from common import (
+    Metrics,
     Parser,
     UsageError,
     all_reduce_sum,
@@ -368,6 +369,7 @@ def main(argv=None):
             cursors[d].pos = pos
         push_weights(backend, policy)
         print0(f"[mmopd] resumed at step {start} from {resume_path}")
+    metrics = Metrics(a.out, start)
     print0(f"[mmopd] {a.steps} steps of {a.prompts} prompts x {a.group} samples, per step {quota}")
     step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
     t1 = time.time()
@@ -418,6 +420,8 @@ def main(argv=None):
                 row["domains"][d] = r
             history.append(row)
             dt = time.time() - ts
+            metrics.log(dict(row, gen_seconds=round(t_gen, 2), step_seconds=round(dt, 2),
+                             gen_tok_s=round(n_gen / max(t_gen, 1e-9), 1)))
             el = time.time() - t1
             print0(f"[mmopd] step {step}/{a.steps} | loss {loss:+.4f} | beta_f {beta_f:.3f} | gen {t_gen:.1f}s "
                    f"{n_gen / max(t_gen, 1e-9):.0f} tok/s | step {dt:.1f}s {all_reduce_sum(float(sum(len(e.token_ids) for e, _ in kept))) / dt:.0f} tok/s | "

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from common import (
+    Metrics,
     Parser,
     UsageError,
     all_reduce_max,
@@ -496,6 +497,7 @@ def main(argv=None):
     if os.path.exists(resume_path):
         start = load_train_state(resume_path, policy, opt)["step"]
         print0(f"[sdft] resumed at step {start} from {resume_path}")
+    metrics = Metrics(a.out, start)
     t1 = time.time()
     try:
         for step in range(start, steps):
@@ -513,6 +515,8 @@ def main(argv=None):
             n_tok = all_reduce_sum(float(sum(len(e.token_ids) for e in batch)))
             n_loss = all_reduce_sum(float(sum(e.n_sampled for e in batch)))
             el = time.time() - t1
+            metrics.log(dict(step=step + 1, nll=loss, lr=lr_at(a, step, steps), grad_norm=stats["grad_norm"],
+                             tok_s=round(n_tok / dt, 1), trained_tok_s=round(n_loss / dt, 1), seconds=round(dt, 2)))
             if step % 5 == 0 or step == steps - 1:
                 print0(f"[sdft] step {step + 1}/{steps} | nll {loss:.4f} | lr {lr_at(a, step, steps):.2e} | grad "
                        f"{stats['grad_norm']:.2f} | {n_tok / dt:.0f} tok/s ({n_loss / dt:.0f} trained) | "

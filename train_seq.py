@@ -44,6 +44,7 @@ import time
 import torch
 
 from common import (
+    Metrics,
     Parser,
     all_reduce_sum,
     check_run_files,
@@ -242,19 +243,19 @@ def expert_records(path: str, domain: str) -> list:
 
 
 def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None, push=push_weights,
-         adapter=None):
+         adapter=None, out=None):
     """The GRPO loop of one stage (grpo_steps), with the step at which a non-finite loss, gradient or weight
     appeared named in the error."""
     try:
-        grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter)
+        grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter, out)
     except FloatingPointError as e:
         raise FloatingPointError(f"[{stage_name}] GRPO step {grpo_steps.step}: {e}") from None
 
 
-def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter):
+def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter, out=None):
     """The GRPO loop of one stage, resumable from `resume_path`. The two seams mle.py composes it through:
     push(backend, policy) puts the updated weights into the engine, and `adapter` (a LoRA adapter directory,
-    or None) is what the rollouts sample with."""
+    or None) is what the rollouts sample with. out: the checkpoint the stage makes (its metrics go beside it)."""
     opt = torch.optim.AdamW([q for q in policy.parameters() if q.requires_grad], lr=a.lr, betas=(0.9, 0.999),
                             weight_decay=0.0)
     train = env.tasks("train", seed=a.seed)
@@ -267,6 +268,7 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
     prompts = a.prompts_by_domain[domain]
     per_rank = max(1, prompts // world_size())
     step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
+    metrics = Metrics(out, start) if out else None
     t0 = time.time()
     for step in range(start + 1, steps + 1):
         grpo_steps.step = step
@@ -321,6 +323,10 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
                f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
                f"{el:.0f}s elapsed, ETA {el / (step - start) * (steps - step):.0f}s")
+        if metrics:
+            metrics.log(dict(stage=stage_name, step=step, reward=reward, kept_groups=n_kept // a.group, loss=loss,
+                             clip=clip_frac, gen_seconds=round(t_gen, 2), gen_tok_s=round(tok_s, 1),
+                             step_seconds=round(dt, 2)))
         if a.save_every and step % a.save_every == 0 and step < steps:
             save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos), recipe=recipe(a, domain))
 
@@ -364,7 +370,7 @@ def run_stage(i, domain, parent, a, device, env):
         save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft", seconds=round(t_rft, 1)))
     steps = a.steps_by_domain[domain]
     resume_path, resume_recipe, _ = run_files(out)
-    grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model)
+    grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model, out=out)
     seconds = time.time() - t0
     save(policy, tok, out, a, domain, i, parent, dict(rft_kept=n_rft, rft_seconds=round(t_rft, 1),
                                                       seconds=round(seconds, 1)))

@@ -279,6 +279,8 @@ def test_a_tiny_run_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_same_w
     a, b = load_file(os.path.join(whole, "model.safetensors")), load_file(os.path.join(killed, "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(os.path.join(killed, "acl_meta.json")))["history"] == meta["history"]
+    rows = [json.loads(x) for x in open(killed + ".metrics.jsonl")]   # each step once, though step 3 ran twice
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("domains" in r and "gen_tok_s" in r for r in rows)
     r = run([*args, "--out", whole])
     assert r.returncode == 0 and "nothing to do" in r.stdout
     r = run([*args, "--out", whole, "--lr", "1e-3"])

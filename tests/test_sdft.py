@@ -259,6 +259,7 @@ def test_a_run_on_a_pool_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_s
     a, b = load_file(os.path.join(whole, "model.safetensors")), load_file(os.path.join(killed, "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not os.path.exists(os.path.join(str(tmp_path), ".resume-killed.pt"))
+    assert [json.loads(x)["step"] for x in open(killed + ".metrics.jsonl")] == [1, 2, 3, 4]   # each step once
     # another recipe into a finished student: refused, unless --overwrite
     r = run([*common_args, "--out", whole, "--lr", "5e-4"])
     assert r.returncode == 2 and "another recipe" in r.stderr and "--overwrite" in r.stderr

@@ -176,6 +176,10 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     assert meta["stage"] == "search" and meta["curriculum_position"] == 2 and meta["method"] == "seq"
     assert meta["parent"] == os.path.abspath(os.path.join(runs, "seq", "1-math"))
     assert not os.path.exists(os.path.join(runs, "seq", ".resume-2-search.pt"))
+    # metrics.jsonl beside each stage: the resumed stage's steps each exactly once (the killed attempt's step 2, never
+    # saved, is not kept twice)
+    steps = [json.loads(x)["step"] for x in open(os.path.join(runs, "seq", "2-search.metrics.jsonl"))]
+    assert steps == list(range(1, meta["step"] + 1)), steps
     res = json.load(open(os.path.join(runs, "eval", "inrun", "seq-2-search.json")))["benchmarks"]
     assert not os.path.exists(os.path.join(runs, "eval", "seq-2-search.json"))   # evaluate.py's name stays free
     assert {"math/test", "search/ood", "ecommerce/test", "if/ood"} <= set(res)
