@@ -293,13 +293,14 @@ def mark_diverged(out: str, reason: str):
 
 def remove_leftovers(outs: list, *dirs):
     """Remove what killed writes leave and nothing else would: the temporary directories of the checkpoints `outs`
-    (.tmp-<name>-<pid>-...), temporary files of their resume states, and temporary files in `dirs`; only names
-    this project's writers make."""
+    (.tmp-<name>-<pid>-...), temporary files of their resume states and metrics logs, and temporary files in `dirs`;
+    only names this project's writers make."""
     import glob
     paths = []
     for out in outs:
         d, b = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
-        paths += glob.glob(os.path.join(d, f".tmp-{b}-*")) + glob.glob(os.path.join(d, f".resume-{b}.*.tmp-*"))
+        paths += glob.glob(os.path.join(d, f".tmp-{b}-*")) + glob.glob(os.path.join(d, f".resume-{b}.*.tmp-*")) + \
+            glob.glob(os.path.join(d, f"{b}.metrics.jsonl.tmp-*"))
     for d in dirs:
         paths += glob.glob(os.path.join(d, "*.tmp-*"))
     for path in paths:
