@@ -30,7 +30,6 @@ Differences from the paper and the released code:
    teacher's is exact).
 """
 import argparse
-import math
 import os
 import sys
 import time
@@ -75,6 +74,7 @@ from train_step import (
     check_shared_flags,
     clipped_surrogate,
     mix_quota,
+    parse_mix,
     route_to_teachers,
     train_on,
 )
@@ -207,14 +207,7 @@ def check_args(a):
     a.runs = a.runs or os.path.join("runs", a.preset)
     a.out = a.out or os.path.join(a.runs, "mmopd")
     a.student = a.student or os.path.join(a.runs, "seq", f"{len(a.domains)}-{a.domains[-1]}")
-    if a.mix != "balanced":
-        try:
-            a.mix = [float(w) for w in a.mix.split(",")]
-        except ValueError:
-            raise UsageError(f"--mix takes balanced or {len(a.domains)} weights w1,w2,...; got {a.mix!r}") from None
-        if len(a.mix) != len(a.domains) or min(a.mix) < 0 or not sum(a.mix) > 0 or not all(map(math.isfinite, a.mix)):
-            raise UsageError(f"--mix weights: one finite weight >= 0 per domain of --domains ({len(a.domains)}), "
-                             f"not all 0")
+    a.mix = parse_mix(a.mix, a.domains)
     for ok, msg in [(a.prompts >= 1, "--prompts must be >= 1"), (a.group >= 1, "--group must be >= 1"),
                     (a.steps >= 1, "--steps must be >= 1"), (a.lr > 0, "--lr must be > 0"),
                     (a.top_q >= 1, "--top-q must be >= 1"), (a.alpha >= 0, "--alpha must be >= 0 (an entropy, nats)"),
@@ -243,13 +236,17 @@ def check_args(a):
     vocab, tok = model_config(a.student).vocab_size, tokenizer_hash(a.student)
     if a.top_q > vocab:
         raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
+    checked = {a.student}   # each checkpoint once (the stage teachers include Seq-Final, the student itself)
     for d, path in a.teacher_paths.items():
+        if path in checked:
+            continue
+        checked.add(path)
         if tokenizer_hash(path) != tok:
             raise UsageError(f"the {d} teacher {path} has another tokenizer than --student {a.student}: its "
                              f"distributions are over other tokens")
-        if model_config(path).vocab_size != vocab:
-            raise UsageError(f"the {d} teacher {path} has a vocabulary of {model_config(path).vocab_size}, the student "
-                             f"{vocab}")
+        t_vocab = model_config(path).vocab_size
+        if t_vocab != vocab:
+            raise UsageError(f"the {d} teacher {path} has a vocabulary of {t_vocab}, the student {vocab}")
     a.tokenizer = tok
     check_output(a.out, "mmopd", inputs=[a.student, *a.teacher_paths.values()], overwrite=True)
     if read_meta(a.out) and read_meta(a.out).get("recipe") != recipe(a) and not a.overwrite:

@@ -91,6 +91,7 @@ from train_step import (
     add_step_flags,
     check_shared_flags,
     mix_quota,
+    parse_mix,
     sft_loss,
     train_on,
 )
@@ -354,15 +355,7 @@ def check_args(a):
     a.runs = a.runs or os.path.join("runs", a.preset)
     a.out = a.out or os.path.join(a.runs, "sdft")
     a.prompts_by_domain = per_domain("--prompts", a.prompts, a.domains)
-    if a.mix not in ("balanced", "proportional"):
-        try:
-            a.mix = [float(w) for w in a.mix.split(",")]
-        except ValueError:
-            raise UsageError(f"--mix takes balanced, proportional or {len(a.domains)} weights w1,w2,...; "
-                             f"got {a.mix!r}") from None
-        if len(a.mix) != len(a.domains) or min(a.mix) < 0 or not sum(a.mix) > 0 or not all(map(math.isfinite, a.mix)):
-            raise UsageError(f"--mix weights: one finite weight >= 0 per domain of --domains ({len(a.domains)}), "
-                             f"not all 0")
+    a.mix = parse_mix(a.mix, a.domains, named=("balanced", "proportional"))
     for ok, msg in [(a.group >= 1, "--group must be >= 1"), (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"),
                     (0 < a.dedup_threshold <= 1, "--dedup-threshold must be in (0, 1]"), (a.lr > 0, "--lr must be > 0"),
                     (a.warmup >= 0, "--warmup must be >= 0"), (a.steps >= 0 and a.epochs > 0, "need --steps >= 0, --epochs > 0"),

@@ -176,6 +176,14 @@ def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: i
     return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
 
 
+def whole_sequences(b: dict) -> tuple:
+    """A packed micro-batch as whole sequences, each episode's prompt then its completion: (ids, attention mask,
+    position ids), each (B, Tp + Tc)."""
+    ids = torch.cat([b["p_ids"][b["rows"]], b["c_ids"]], 1)
+    attn = torch.cat([b["p_attn"][b["rows"]], b["c_attn"]], 1)
+    return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+
+
 def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None):
     """(B, Tc) log-prob of every completion token, logits divided by the sampling temperature so trainer
     and sampler score the same distribution; with extra_ids (B, Tc, k) also the log-probs at those ids, (B, Tc, k).
@@ -183,8 +191,7 @@ def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None):
     back into it); under activation checkpointing, which has no cache, prompt and completion run as one sequence."""
     p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
     if checkpoints_activations(model):
-        ids, attn = torch.cat([p_ids[rows], c_ids], 1), torch.cat([p_attn[rows], c_attn], 1)   # (B, Tp + Tc)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        ids, attn, pos = whole_sequences(b)
         # logits only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
                        logits_to_keep=c_ids.size(1) + 1).logits[:, :-1]                       # (B, Tc, V)
@@ -218,22 +225,29 @@ def micro_batches(episodes, size: int) -> list:
 
 
 @torch.no_grad()
-def episode_logprobs(model, episodes, *, micro_batch: int, temperature: float = 1.0) -> list:
-    """Each episode's completion-token log-probs under `model` (the policy before an update: the PPO ratio's
-    denominator; a frozen reference or a teacher), one CPU tensor per episode, as train_on's extras take them.
-    Every rank runs as many passes as the busiest one (FSDP2), so ranks may hold different numbers of episodes."""
+def per_episode(model, episodes, micro_batch: int, score) -> list:
+    """score(model, packed micro-batch) -> a (B, Tc, ...) tensor or a dict of them, run over `episodes` in
+    micro-batches; -> per episode the same cut to its completion tokens, on the CPU. Every rank runs as many passes as
+    the busiest one (FSDP2's all-gathers are collectives), so ranks may hold different numbers of episodes."""
     pad, dev = pad_id(model), next(model.parameters()).device
     micro = micro_batches(episodes, micro_batch)
     out = [None] * len(episodes)
     for m in range(int(all_reduce_max(len(micro)))):
         if m >= len(micro):
-            token_logprobs(model, to_device(pack([stand_in(pad)], pad), dev), temperature)
+            score(model, to_device(pack([stand_in(pad)], pad), dev))
             continue
         idx = micro[m]
-        lp = token_logprobs(model, to_device(pack([episodes[i] for i in idx], pad), dev), temperature).cpu()
+        res = score(model, to_device(pack([episodes[i] for i in idx], pad), dev))
         for j, i in enumerate(idx):
-            out[i] = lp[j, : max(1, len(episodes[i].token_ids) - episodes[i].prompt_len)]
+            n = max(1, len(episodes[i].token_ids) - episodes[i].prompt_len)
+            out[i] = {k: v[j, :n].cpu() for k, v in res.items()} if isinstance(res, dict) else res[j, :n].cpu()
     return out
+
+
+def episode_logprobs(model, episodes, *, micro_batch: int, temperature: float = 1.0) -> list:
+    """Each episode's completion-token log-probs under `model` (the policy before an update: the PPO ratio's
+    denominator; a frozen reference or a teacher), one CPU tensor per episode, as train_on's extras take them."""
+    return per_episode(model, episodes, micro_batch, lambda m, b: token_logprobs(m, b, temperature))
 
 
 # ----------------------------------------------------------------------------- teachers (distillation)
@@ -265,9 +279,8 @@ def teacher_pass(model, b: dict, q: int, temperature: float = 1.0, chunk_tokens:
     """head_scores of a packed micro-batch's completion tokens under `model`, in one teacher-forced pass of prompt
     and completion. The model's output head is swapped, for this pass, for head_scores (it still runs inside the
     model's forward, where FSDP2 has gathered the head's weights), so the full logits are never built."""
-    p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
-    ids, attn = torch.cat([p_ids[rows], c_ids], 1), torch.cat([p_attn[rows], c_attn], 1)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    c_ids = b["c_ids"]
+    ids, attn, pos = whole_sequences(b)
     head, res = model.get_output_embeddings(), {}
 
     def scorer(h):   # positions Tp - 1 ... Tp + Tc - 2 predict the completion; the last one predicts nothing
@@ -285,24 +298,11 @@ def teacher_pass(model, b: dict, q: int, temperature: float = 1.0, chunk_tokens:
 @torch.no_grad()
 def teacher_scores(model, episodes, *, micro_batch: int, q: int, temperature: float = 1.0,
                    chunk_tokens: int = 4096) -> list:
-    """teacher_pass over `episodes` in micro-batches: per episode a dict of CPU tensors over its completion tokens,
-    lp (T,), ent (T,), top_lp (T, q), top_ids (T, q); None for an episode whose scores are not finite (a failing
-    teacher: the caller drops the episode and counts it). Every rank runs as many passes as the busiest (FSDP2)."""
-    pad, dev = pad_id(model), next(model.parameters()).device
-    micro = micro_batches(episodes, micro_batch)
-    out = [None] * len(episodes)
-    for m in range(int(all_reduce_max(len(micro)))):
-        if m >= len(micro):
-            teacher_pass(model, to_device(pack([stand_in(pad)], pad), dev), q, temperature, chunk_tokens)
-            continue
-        idx = micro[m]
-        res = teacher_pass(model, to_device(pack([episodes[i] for i in idx], pad), dev), q, temperature, chunk_tokens)
-        for j, i in enumerate(idx):
-            n = max(1, len(episodes[i].token_ids) - episodes[i].prompt_len)
-            s = {k: v[j, :n].cpu() for k, v in res.items()}
-            ok = all(torch.isfinite(v).all() for k, v in s.items() if k != "top_ids")
-            out[i] = s if ok else None
-    return out
+    """teacher_pass over `episodes` in micro-batches (per_episode): per episode a dict of CPU tensors over its
+    completion tokens, lp (T,), ent (T,), top_lp (T, q), top_ids (T, q); None for an episode whose scores are not
+    finite (a failing teacher: the caller drops the episode and counts it)."""
+    out = per_episode(model, episodes, micro_batch, lambda m, b: teacher_pass(m, b, q, temperature, chunk_tokens))
+    return [s if all(torch.isfinite(v).all() for k, v in s.items() if k != "top_ids") else None for s in out]
 
 
 def route_to_teachers(teachers: dict, episodes, **kw) -> list:
@@ -458,6 +458,20 @@ def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: in
             print0(f"{label} sft step {s + 1}/{n_steps} | nll {loss:.4f} | {el:.0f}s elapsed, "
                    f"ETA {el / (s + 1) * (n_steps - s - 1):.0f}s")
     return losses
+
+
+def parse_mix(text: str, domains: list, named=("balanced",)):
+    """--mix: one of the `named` mixes, or a weight per domain "w1,w2,..." (finite, >= 0, not all 0) -> the name or the
+    list of weights, for mix_quota; UsageError (one line) otherwise."""
+    if text in named:
+        return text
+    try:
+        w = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--mix takes {', '.join(named)} or {len(domains)} weights w1,w2,...; got {text!r}") from None
+    if len(w) != len(domains) or min(w) < 0 or not sum(w) > 0 or not all(map(math.isfinite, w)):
+        raise UsageError(f"--mix weights: one finite weight >= 0 per domain of --domains ({len(domains)}), not all 0")
+    return w
 
 
 def mix_quota(mix, sizes: dict, batch: int) -> dict:

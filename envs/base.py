@@ -10,6 +10,7 @@ types, empty or endless text all become observations (an error string in a tool 
 reward. Nothing the model writes ever reaches eval/exec. Bad *user* input (an unknown domain, a
 missing data directory, a malformed task file) raises UsageError with one clear line.
 """
+import http.client
 import json
 import re
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 from common import UsageError  # noqa: F401  (the project's one input-error type, re-exported)
 
 SPLITS = ("train", "val", "test", "ood")  # val: for weight/hyper-parameter search, never test
+# What a call to an outside service (an LLM user, a retrieval server) raises when the service is down or answers
+# malformed JSON: urllib's and http.client's errors, and a reply without the expected fields.
+SERVICE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException)
 
 
 

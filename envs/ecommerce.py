@@ -23,7 +23,6 @@ Metrics: success, db_match, outputs_ok, tool_calls, tool_errors, turns, user_err
 """
 import ast
 import hashlib
-import http.client
 import json
 import os
 import random
@@ -32,6 +31,7 @@ import sys
 import urllib.request
 
 from envs.base import (
+    SERVICE_ERRORS,
     SPLITS,
     Env,
     Task,
@@ -1003,7 +1003,7 @@ class EcommerceEnv(Env):
             return
         try:
             self._chat([{"role": "user", "content": "Reply with the word ok."}], max_tokens=16)
-        except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as e:
+        except SERVICE_ERRORS as e:
             raise UsageError(f"the user model {self.user_model!r} at {self.user_url} does not answer a probe "
                              f"({type(e).__name__}: {str(e)[:200]}): start it, or fix --user-url/--user-model") from None
 
@@ -1012,7 +1012,7 @@ class EcommerceEnv(Env):
         chat = state.info["user_chat"]
         try:
             reply = self._chat(chat)
-        except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException):
+        except SERVICE_ERRORS:
             state.info["user_error"] = 1.0
             state.info["ended"] = "user_error"
             return STOP

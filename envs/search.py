@@ -28,7 +28,6 @@ Differences from the paper's setup (slime's search-r1 example):
    through `retriever_url`.
 2. The reward is plain exact match in [0, 1], not the shaped EM in [-0.2, 1].
 """
-import http.client
 import json
 import os
 import random
@@ -40,6 +39,7 @@ from collections import Counter
 import bm25s
 
 from envs.base import (
+    SERVICE_ERRORS,
     SPLITS,
     Env,
     EpisodeState,
@@ -339,7 +339,7 @@ class SearchEnv(Env):
             hits = http_search(self.retriever_url, "probe", 1, self.timeout)
             if not isinstance(hits, list):
                 raise TypeError("no list of passages")
-        except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as e:
+        except SERVICE_ERRORS as e:
             raise UsageError(f"the retriever at {self.retriever_url} does not answer a probe query ({type(e).__name__}:"
                              f" {str(e)[:200]}): start it, or fix --retriever-url") from None
 
