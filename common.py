@@ -187,8 +187,9 @@ def print0(*args, **kwargs):
 # ----------------------------------------------------------------------------- FSDP2
 
 def shard(model, bf16: bool = False, cpu_offload: bool = False):
-    """FSDP2: fully_shard every decoder layer, then the root. With bf16, parameters are cast to bf16 for
-    compute and gradients reduced in fp32 (MixedPrecisionPolicy); cpu_offload keeps shards on the CPU.
+    """FSDP2: fully_shard every decoder layer, then the root (a peft model's too: a layer's frozen weights and its
+    LoRA weights share one shard group; only the trainable ones get gradients). With bf16, parameters are cast to
+    bf16 for compute and gradients reduced in fp32 (MixedPrecisionPolicy); cpu_offload keeps shards on the CPU.
     A no-op without a process group, so the same training loop runs unsharded on a laptop."""
     if not sharded():
         return model
@@ -197,7 +198,8 @@ def shard(model, bf16: bool = False, cpu_offload: bool = False):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    for layer in model.model.layers:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model   # a peft model wraps it
+    for layer in inner.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model
@@ -211,12 +213,13 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def full_params(model):
-    """Yield (name, full tensor) for every parameter, one at a time: under FSDP2 each is all-gathered as it
-    is yielded (every rank must iterate in step), so weights can be pushed to a generation engine without
-    ever holding a whole unsharded model beside the shards."""
+def full_params(model, trainable_only: bool = False):
+    """Yield (name, full tensor) for every parameter (that requires a gradient, with trainable_only), one at a time:
+    under FSDP2 each is all-gathered as it is yielded (every rank must iterate in step), so weights can be pushed to
+    a generation engine without ever holding a whole unsharded model beside the shards."""
     for name, p in model.named_parameters():
-        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        if p.requires_grad or not trainable_only:
+            yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
 
 # ----------------------------------------------------------------------------- files and checkpoints
@@ -335,10 +338,14 @@ class Metrics:
 
 def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = None):
     """Everything needed to resume training beside the checkpoint: the model and optimizer state (full,
-    gathered to rank 0 under FSDP2), the RNG states and `extra` (step, data cursor, ...), and first `recipe`
+    gathered to rank 0 under FSDP2; only the trainable weights when some are frozen), the RNG states and `extra`
+    (step, data cursor, ...), and first `recipe`
     (check_run_files compares it). Atomic: written to a temporary file, then renamed. Every rank must call it."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, opt, options=opts)
+    if any(not p.requires_grad for p in model.parameters()):   # frozen weights (a LoRA run's backbone) never change:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}   # only what trains is saved
+        msd = {k: v for k, v in msd.items() if k in trainable}
     if rank() == 0:
         if recipe is not None:
             save_json(recipe_file(path), recipe)
@@ -354,7 +361,8 @@ def load_train_state(path: str, model, opt) -> dict:
     """Restore what save_train_state wrote into `model` and `opt` (broadcast from rank 0 under FSDP2);
     returns `extra`. Every rank must call it."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=sharded())
+    partial = len(state["model"]) < len(model.state_dict())   # saved without the frozen weights
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=sharded(), strict=not partial)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
     torch.set_rng_state(state["torch_rng"])
     v, internal, gauss = state["py_rng"]

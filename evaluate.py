@@ -134,7 +134,7 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
 
 def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, seeds=1, k=None,
                    temperature=1.0, batch=64, max_tokens=None, max_turn_tokens=None, env_opts=None, backend=None,
-                   sources=None, benchmarks=None, tasks=None, label="", gold=True, episodes=None) -> dict:
+                   sources=None, benchmarks=None, tasks=None, label="", gold=True, episodes=None, route=None) -> dict:
     """Score an in-memory model on a suite: {benchmark: {mean, std, n, k, seeds, per_seed, metrics,
     response_tokens (policy-sampled tokens per episode), wall_s, task_ids, per_task, gold}}.
 
@@ -153,6 +153,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
         train_seq's in-run evaluation hands over under --backend vllm on rank 0 alone, would wait for the other
         ranks forever); deterministic, seconds.
     episodes: a dict to collect every scored episode into, {benchmark: [envs.rollout.episode_record, ...]}.
+    route: an MLE router, route(env, task) -> the LoRA adapter directory the task is sampled (and gold-scored) with.
     The model is put in eval mode and its training mode restored; the global torch RNG is restored too, so
     evaluating in the middle of training does not change the training's random stream."""
     defaults = SUITE_DEFAULTS[suite] if suite in SUITES else {}
@@ -174,10 +175,11 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                 kk = k or DEFAULT_K.get(name, 1)
                 per_seed, per_seed_metrics, lengths, t0 = [], [], [], time.time()
                 per_task = [0.0] * len(items)
+                adapters = [route(env, t) for t in items] if route else None
                 for s in seed_list:
                     t1 = time.time()
                     eps = rollout(backend, tok, [(env, t) for t in items], kk, temperature, max_tokens=max_tokens,
-                                  max_turn_tokens=max_turn_tokens, seed=s)
+                                  max_turn_tokens=max_turn_tokens, seed=s, adapters=adapters)
                     dt = time.time() - t1
                     for i, e in enumerate(eps):   # items x samples order: episode i is task i // kk's
                         per_task[i // kk] += e.reward / (kk * len(seed_list))
@@ -198,7 +200,8 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "task_ids": [t.id for t in items], "per_task": per_task}
                 if gold:
                     ctx = getattr(model.config, "max_position_embeddings", None) or max_tokens   # the expert is never cut
-                    g = gold_likelihood(model, tok, env, items, max_tokens=ctx, max_turn_tokens=ctx)
+                    g = routed_gold(backend, tok, env, items, adapters, ctx) if route else \
+                        gold_likelihood(model, tok, env, items, max_tokens=ctx, max_turn_tokens=ctx)
                     if g:
                         results[name]["gold"] = g
                         print0(f"{label}{name} gold: log-lik {g['loglik']:.3f}/token, top-1 {g['top1']:.3f} "
@@ -241,21 +244,47 @@ def gold_likelihood(model, tok, env, tasks, *, batch: int = 16, max_tokens=MAX_T
             "task_ids": [e.task_id for e in eps], "per_task_loglik": lls, "per_task_top1": tops}
 
 
-def evaluate_ckpt(path, suite="tiny", backend_name="hf", **kwargs) -> dict:
+def routed_gold(backend, tok, env, items, adapters, ctx):
+    """gold_likelihood with every task scored under the adapter it is routed to (an MLE checkpoint): one pass per
+    adapter through the hf backend's model, the per-task values merged back in task order."""
+    parts = []
+    for adapter in dict.fromkeys(adapters):
+        mine = [t for t, x in zip(items, adapters) if x == adapter]
+        with backend.with_adapter(adapter):
+            parts.append(gold_likelihood(backend.model, tok, env, mine, max_tokens=ctx, max_turn_tokens=ctx))
+    parts = [g for g in parts if g]
+    if not parts:
+        return None
+    order = {t.id: i for i, t in enumerate(items)}
+    rows = sorted((order[tid], tid, ll, t1) for g in parts
+                  for tid, ll, t1 in zip(g["task_ids"], g["per_task_loglik"], g["per_task_top1"]))
+    n = sum(g["n"] for g in parts)
+    return {"loglik": statistics.mean(r[2] for r in rows), "top1": statistics.mean(r[3] for r in rows), "n": n,
+            "tokens": sum(g["tokens"] for g in parts), "expert_reward": sum(g["expert_reward"] * g["n"] for g in parts) / n,
+            "task_ids": [r[1] for r in rows], "per_task_loglik": [r[2] for r in rows], "per_task_top1": [r[3] for r in rows]}
+
+
+def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", max_lora_rank=0, **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
     The backend comes from envs.rollout.make_backend: "vllm" starts one engine with the first checkpoint and
     streams each later one into it tensor by tensor (they must share the first one's architecture).
     Returns the record that main() saves: {ckpt, suite, settings, wall_s, code_revision, benchmarks}."""
     from transformers import AutoTokenizer
-    if not is_checkpoint(path):
+
+    import mle
+    weights = mle.backbone_of(path) if mle.is_mle(path) else path   # an MLE directory: its backbone + experts
+    if not is_checkpoint(weights):
         raise UsageError(f"not a checkpoint directory (no config.json): {path}")
     t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(weights)
     kwargs.setdefault("label", f"[{path}] ")
+    if weights != path:
+        kwargs["route"] = mle.router(path, router, tok)
     batch = kwargs.get("batch", 64) if backend_name == "hf" else max(kwargs.get("batch", 64), 256)
-    kwargs["backend"], model = make_backend(backend_name, tok, path, gen_batch=batch,
-                                            max_tokens=kwargs.get("max_tokens") or 4096)
-    return evaluate_record(model, tok, path, suite, t0, **kwargs)
+    kwargs["backend"], model = make_backend(backend_name, tok, weights, gen_batch=batch,
+                                            max_tokens=kwargs.get("max_tokens") or 4096, max_lora_rank=max_lora_rank)
+    record = evaluate_record(model, tok, path, suite, t0, **kwargs)
+    return record | (dict(router=router, experts=mle.experts_of(path)) if weights != path else {})
 
 
 def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
@@ -263,7 +292,7 @@ def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
     {ckpt, suite, settings, wall_s (since t0, default now), code_revision, evaluated_at, benchmarks}."""
     t0 = t0 or time.time()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
-    settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label")}
+    settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label", "route")}
     return {"ckpt": path, "suite": suite, "settings": settings, "wall_s": round(time.time() - t0, 1),
             "code_revision": code_revision(), "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "benchmarks": benchmarks}
@@ -523,7 +552,10 @@ def _stages(names, label) -> list:
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", nargs="+", default=None, help="checkpoint directories (Hugging Face format)")
+    p.add_argument("--ckpt", nargs="+", default=None, help="checkpoint directories (Hugging Face format, or an MLE "
+                                                              "directory: mle.py's backbone + experts + router)")
+    p.add_argument("--router", default="tag", choices=["tag", "learned"], help="MLE checkpoints: the expert per task "
+                   "from its environment tag, or from mle.py's learned router (saved as <name>-learned)")
     p.add_argument("--across", nargs="+", default=None, metavar="RUNS",
                    help="instead of evaluating: the accuracy matrices of sequential runs made with different training "
                         "seeds (RUNS/eval/seq_matrix.json each, e.g. runs/tiny runs/tiny-seed1 runs/tiny-seed2), as "
@@ -563,6 +595,7 @@ def parse_args(argv=None):
 
 def resolve(a) -> dict:
     """Check every argument and load the benchmarks; UsageError (one line) on bad input, before anything is written."""
+    import mle
     if not a.ckpt:
         raise UsageError("give --ckpt (checkpoints to evaluate) or --across (saved runs to aggregate)")
     if a.suite not in SUITES:
@@ -593,9 +626,13 @@ def resolve(a) -> dict:
     for path in a.ckpt:
         if not os.path.isdir(path):
             raise UsageError(f"checkpoint directory not found: {path}")
-        if not is_checkpoint(path):
+        routed = mle.is_mle(path)
+        if routed:
+            mle.router(path, a.router, None)   # its experts (and router) are all there
+        elif not is_checkpoint(path):
             raise UsageError(f"not a checkpoint directory (no config.json): {path}")
         eval_dir, name = run_name(path)
+        name += f"-{a.router}" if routed and a.router != "tag" else ""
         eval_dir = a.out_dir or eval_dir
         if eval_dir is None:
             raise UsageError(f"cannot tell the preset of {path} (not under runs/<preset>/): pass --out-dir")
@@ -623,8 +660,9 @@ def resolve(a) -> dict:
     if benchmarks and a.suite != "full":
         raise UsageError("--benchmarks is for the full suite; use --domains and --splits with the tiny suite")
     tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks)
+    lora = max([mle.lora_rank_of(path) for path, *_ in ckpts if mle.is_mle(path)], default=0)
     return {"domains": domains, "splits": splits, "sources": sources, "env_opts": env_opts, "tasks": tasks,
-            "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved}
+            "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved, "max_lora_rank": lora}
 
 
 def main():
@@ -651,8 +689,8 @@ def main():
     named = {}
     for path, name, _, out in r["ckpts"]:
         episodes = {} if a.save_episodes else None
-        record = evaluate_ckpt(path, a.suite, backend_name=a.backend, seeds=a.seeds, k=a.k, temperature=a.temperature,
-                               batch=a.batch,
+        record = evaluate_ckpt(path, a.suite, backend_name=a.backend, router=a.router, max_lora_rank=r["max_lora_rank"],
+                               seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
                                max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
                                tasks=r["tasks"], label=f"[{name}] ", gold=a.gold, episodes=episodes)
         record["settings"] = settings

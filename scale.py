@@ -48,7 +48,7 @@ def shard_rows(n: int, world: int, r: int) -> int:
 
 
 def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model: bool = False,
-            gpu_gb: float = 141.0, teachers: int = 0, teacher_offload: bool = False):
+            gpu_gb: float = 141.0, teachers: int = 0, teacher_offload: bool = False, lora: dict | None = None):
     """Build `init`'s architecture on the meta device (no weights, no download), apply shard()'s FSDP2 plan
     under a fake process group of `world` ranks, and print the parameters per rank, an estimate of the
     memory per rank and the resolved configuration. Returns the figures (tests read them).
@@ -66,7 +66,10 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
       a frozen reference model (ref_model, e.g. GRPO's --kl-coef > 0): its fp32 shard, 4 P_r;
       frozen teachers (MMOPD, `teachers` of them, all resident): each its shard at the compute dtype (2 P_r under
       bf16; on the host with teacher_offload), plus their scoring pass's float32 logits chunk (4,096 tokens x V x 3);
-      the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype.
+      the hf backend under FSDP2: one unsharded copy of the policy at the compute dtype;
+      a LoRA run (mle.py, lora={rank, targets}): the frozen backbone's fp32 shard 4 P_r, no gradients or moments for
+      it, and the adapter's A_r = rank x (in + out) per target projection, sharded, 16 A_r; its KL reference is the
+      same weights with the adapter off (no second model).
     vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
     --vllm-gpu-util of the GPU while generating, so it is listed apart."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -97,8 +100,14 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     per_layer_acts = (4 * h + 3 * q + 2 * kv + 4 * i) * cb * tokens
     acts = (L * h * cb * tokens + per_layer_acts) if a.grad_ckpt else L * per_layer_acts
     states = 16 * P_r
+    if lora:   # the adapter's weights per target projection: A (r x in) and B (out x r) of every decoder layer
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                "up_proj": (h, i), "down_proj": (i, h)}
+        n_lora = L * sum(lora["rank"] * sum(dims[t]) for t in lora["targets"])
+        states = 4 * P_r + 16 * math.ceil(n_lora / world)
+    state_key = "backbone (frozen) + adapter w+g+adam" if lora else "weights+grads+adam (fp32, sharded)"
     mem = {
-        "weights+grads+adam (fp32, sharded)": 0 if a.cpu_offload else states,
+        state_key: 0 if a.cpu_offload else states,
         "gathered params (root + 2 layers)": (root + 2 * layer) * cb + max(root, layer) * 4,
         "activations": acts,
         "logits (+ grad; fp32 work chunked)": tokens * V * 2 * cb + min(tokens, 4096) * V * 10,
@@ -109,6 +118,9 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     if teachers:
         mem[teacher_key] = 0 if teacher_offload else teachers * cb * P_r
         mem["teacher scoring (fp32 logits chunk)"] = min(tokens, 4096) * V * 12
+    if lora:
+        print(f"LoRA rank {lora['rank']} on {','.join(lora['targets'])}: {n_lora / 1e6:.1f}M trainable parameters "
+              f"({100 * n_lora / n_total:.2f}%); the backbone is frozen (its shard only, no gradients or moments)")
     gb = lambda x: x / 2**30
     total = sum(mem.values())
     print(f"dry run: {init} ({cfg.model_type}, {n_total / 1e9:.3f}B parameters) on {world} ranks, FSDP2 plan: "
@@ -127,7 +139,7 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     print(f"  {'training total':<38} {gb(total):8.2f} GiB")
     generating = 0.0
     if vllm:   # while vLLM generates, the sharded training state stays on the GPU beside it
-        generating = vllm + mem["weights+grads+adam (fp32, sharded)"] + mem["reference model"] + \
+        generating = vllm + mem[state_key] + mem["reference model"] + \
             mem.get(teacher_key, 0)
         print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
         print(f"  {'generation total (vLLM + sharded state)':<38} {gb(generating):8.2f} GiB")
@@ -135,5 +147,5 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     verdict = "fits" if peak < gpu_gb * 2**30 else "does NOT fit"
     print(f"peak {gb(peak):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
     print(f"resolved config: {vars(a)}")
-    return dict(n_params=n_total, per_rank=per_rank, memory=mem, total=total, generating=generating, peak=peak,
+    return dict(n_params=n_total, n_lora=n_lora if lora else 0, per_rank=per_rank, memory=mem, total=total, generating=generating, peak=peak,
                 fits=verdict == "fits")

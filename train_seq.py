@@ -196,6 +196,7 @@ def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name):
     --cold-start expert takes a stronger model's, as the study's authors did (Qwen3-30B-A3B rollouts): in the tiny
     worlds the scripted expert's episodes of the same prompts (envs.rollout.expert_episodes), at full scale the
     teacher rollouts in --expert-data (evaluate.py --save-episodes writes them)."""
+    from envs.rollout import expert_records
     t0 = time.time()
     mine = tasks[rank()::world_size()]
     policy.eval()
@@ -229,33 +230,23 @@ def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name):
     return n_kept
 
 
-def expert_records(path: str, domain: str) -> list:
-    """The episode records of `domain` in the *.jsonl files of directory `path` (evaluate.py --save-episodes'
-    format), sorted; UsageError on a missing directory or a malformed line."""
-    from envs.base import read_jsonl
-    if not os.path.isdir(path):
-        raise UsageError(f"--expert-data {path}: not a directory")
-    out = []
-    for name in sorted(f for f in os.listdir(path) if f.endswith(".jsonl")):
-        out += [r for r in read_jsonl(os.path.join(path, name))
-                if isinstance(r, dict) and r.get("env") == domain and isinstance(r.get("messages"), list)]
-    return out
-
-
 def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None, push=push_weights,
-         adapter=None, out=None):
+         adapter=None, out=None, rec=None):
     """The GRPO loop of one stage (grpo_steps), with the step at which a non-finite loss, gradient or weight
     appeared named in the error."""
     try:
-        grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter, out)
+        grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter, out,
+                   rec)
     except FloatingPointError as e:
         raise FloatingPointError(f"[{stage_name}] GRPO step {grpo_steps.step}: {e}") from None
 
 
-def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter, out=None):
-    """The GRPO loop of one stage, resumable from `resume_path`. The two seams mle.py composes it through:
-    push(backend, policy) puts the updated weights into the engine, and `adapter` (a LoRA adapter directory,
-    or None) is what the rollouts sample with. out: the checkpoint the stage makes (its metrics go beside it)."""
+def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, push, adapter, out=None,
+               rec=None):
+    """The GRPO loop of one stage, resumable from `resume_path`. The seams mle.py composes it through:
+    push(backend, policy) puts the updated weights into the engine, `adapter` (a LoRA adapter directory, or None:
+    the engine's model as it is) is what the rollouts sample with, and `rec` the recipe a resume state records
+    (default: this script's recipe(a, domain)). out: the checkpoint the stage makes (its metrics go beside it)."""
     opt = torch.optim.AdamW([q for q in policy.parameters() if q.requires_grad], lr=a.lr, betas=(0.9, 0.999),
                             weight_decay=0.0)
     train = env.tasks("train", seed=a.seed)
@@ -328,7 +319,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                              clip=clip_frac, gen_seconds=round(t_gen, 2), gen_tok_s=round(tok_s, 1),
                              step_seconds=round(dt, 2)))
         if a.save_every and step % a.save_every == 0 and step < steps:
-            save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos), recipe=recipe(a, domain))
+            save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos),
+                             recipe=rec or recipe(a, domain))
 
 
 def stage_backend(a, tok, path, policy, device):
@@ -405,18 +397,8 @@ def evaluate_stage(model, tok, out, a, seconds, backend=None):
 
 # ----------------------------------------------------------------------------- command line
 
-def get_args(argv=None):
-    pre = Parser(add_help=False)
-    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    name = pre.parse_known_args(argv)[0].preset
-    preset = PRESETS[name]
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
-    p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
-    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
-    p.add_argument("--curriculum", default="math,search,ecommerce,if", help="domains in training order")
-    p.add_argument("--oracle", action="store_true", help="train each curriculum domain alone from --init "
-                                                          "-> runs/<preset>/oracle/<domain>")
+def add_grpo_flags(p, preset: dict):
+    """The GRPO loop's flags (grpo_steps), with `preset`'s defaults; mle.py trains its experts with them too."""
     p.add_argument("--steps", default=preset["steps"], help="GRPO steps per stage: N, or domain=N,...")
     p.add_argument("--prompts", default=preset["prompts"], help="prompts per GRPO step (global): N, or domain=N,...")
     p.add_argument("--group", type=int, default=preset["group"], help="GRPO group size G (samples per prompt)")
@@ -434,6 +416,42 @@ def get_args(argv=None):
                    help="keep groups whose rewards are all equal (they get zero advantage)")
     p.add_argument("--max-gen-rounds", type=int, default=preset["max_gen_rounds"],
                    help="dynamic sampling: most prompt batches per step")
+    p.add_argument("--save-every", type=int, default=10, help="GRPO steps between resume states (0 = never)")
+
+
+def check_grpo_flags(a, domains: list):
+    """UsageError (one line) for a bad GRPO flag; resolves the per-domain ones for `domains`."""
+    a.steps_by_domain = per_domain("--steps", a.steps, domains)
+    a.prompts_by_domain = per_domain("--prompts", a.prompts, domains)
+    a.lr_by_domain = per_domain("--lr", a.lr, domains, float)
+    a.kl_by_domain = per_domain("--kl-coef", a.kl_coef, domains, float)
+    ws = a.world_size if a.dry_run else world_size()
+    for ok, msg in [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
+                    (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"),
+                    (min(a.lr_by_domain.values()) > 0, "--lr must be > 0"),
+                    (min(a.steps_by_domain.values()) >= 0, "--steps must be >= 0"),
+                    (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
+                    (min(a.kl_by_domain.values()) >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
+                    (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"),
+                    (a.save_every >= 0, "--save-every >= 0"),
+                    (all(v % ws == 0 for v in a.prompts_by_domain.values()), f"--prompts must be divisible by the world size {ws}")]:
+        if not ok:
+            raise UsageError(msg)
+
+
+def get_args(argv=None):
+    pre = Parser(add_help=False)
+    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    name = pre.parse_known_args(argv)[0].preset
+    preset = PRESETS[name]
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
+    p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
+    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    p.add_argument("--curriculum", default="math,search,ecommerce,if", help="domains in training order")
+    p.add_argument("--oracle", action="store_true", help="train each curriculum domain alone from --init "
+                                                          "-> runs/<preset>/oracle/<domain>")
+    add_grpo_flags(p, preset)
     p.add_argument("--cold-start", default=preset["cold_start"], choices=["expert", "self"],
                    help="agentic stages' cold start: SFT on an expert's rollouts (tiny: the worlds' scripted expert; "
                         "full scale: --expert-data) or on the policy's own filtered samples (RFT)")
@@ -446,7 +464,6 @@ def get_args(argv=None):
     p.add_argument("--rft-lr", type=float, default=preset["rft_lr"], help="cold-start SFT learning rate")
     p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
                                                                         "evaluation (0 = skip)")
-    p.add_argument("--save-every", type=int, default=10, help="GRPO steps between resume states (0 = never)")
     add_scale_flags(p, name)
     add_step_flags(p, name)
     add_data_flags(p, train=True)
@@ -461,27 +478,12 @@ def check_args(a):
     resolved fields."""
     from envs import parse_domains
     a.curriculum = list(parse_domains(a.curriculum))
-    a.steps_by_domain = per_domain("--steps", a.steps, a.curriculum)
-    a.prompts_by_domain = per_domain("--prompts", a.prompts, a.curriculum)
     a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
-    a.lr_by_domain = per_domain("--lr", a.lr, a.curriculum, float)
-    a.kl_by_domain = per_domain("--kl-coef", a.kl_coef, a.curriculum, float)
     check_shared_flags(a)
-    ws = a.world_size if a.dry_run else world_size()
-    checks = [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
-              (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"),
-              (min(a.lr_by_domain.values()) > 0, "--lr must be > 0"),
-              (all(v >= 0 for v in a.steps_by_domain.values()), "--steps must be >= 0"),
-              (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"), (a.clip_high >= 0, "--clip-high must be >= 0"),
-              (min(a.kl_by_domain.values()) >= 0, "--kl-coef must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
-              (a.max_gen_rounds >= 1, "--max-gen-rounds >= 1"), (a.minibatches >= 1, "--minibatches must be >= 1"),
-              (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1 and a.rft_lr > 0,
-               "need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0"),
-              (a.eval_n is None or a.eval_n >= 0, "--eval-n must be >= 0"), (a.save_every >= 0, "--save-every >= 0"),
-              (all(v % ws == 0 for v in a.prompts_by_domain.values()), f"--prompts must be divisible by the world size {ws}")]
-    for ok, msg in checks:
-        if not ok:
-            raise UsageError(msg)
+    check_grpo_flags(a, a.curriculum)
+    if not (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1
+            and a.rft_lr > 0 and (a.eval_n is None or a.eval_n >= 0)):
+        raise UsageError("need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0, --eval-n >= 0")
     local = os.path.isdir(a.init) or a.init.startswith((".", os.path.sep, "runs")) or a.init.count("/") != 1
     if local and not is_checkpoint(a.init):
         raise UsageError(f"--init checkpoint not found: {a.init} (the tiny arena: cp -r assets/tiny-base runs/tiny/base, "
@@ -490,6 +492,7 @@ def check_args(a):
     if a.preset != "tiny" and not a.dry_run:
         require_real_data(a, a.curriculum)
     a.env_opts = env_options(a)
+    from envs.rollout import expert_records
     cold = [d for d, n in a.rft_prompts_by_domain.items() if n > 0]
     if a.expert_data and a.cold_start != "expert":
         raise UsageError("--expert-data is for --cold-start expert")

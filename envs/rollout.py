@@ -18,6 +18,7 @@ every script gets its backend from make_backend.
 Command line, to look at a checkpoint's behaviour and speed on the tiny arena:
     python -m envs.rollout --ckpt runs/tiny/base --domains math,search,ecommerce,if --splits test,ood --n 100 --show 1
 """
+import contextlib
 import os
 import sys
 import time
@@ -72,6 +73,17 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
+@contextlib.contextmanager
+def _active_adapter(model, name):
+    """peft's set_adapter for the duration of a with-block, then the adapter that was active before."""
+    before = model.active_adapter
+    model.set_adapter(name)
+    try:
+        yield
+    finally:
+        model.set_adapter(before)
+
+
 class HFBackend:
     """A transformers model behind a short decode loop: batched (left-padded, positions from the mask),
     KV cache, one prefill per distinct prompt, multinomial sampling from the full distribution (no top-k,
@@ -82,22 +94,24 @@ class HFBackend:
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
-        """adapters: per prompt, a peft LoRA adapter directory or None (the base weights). The first adapter
-        wraps the model in a peft PeftModel, which injects adapter layers into it: give the backend its own copy
-        of a model that is also being trained."""
+        """adapters None: the model as it is (a peft model with its active adapter: the live adapter that mle.py
+        trains). A list: per prompt a peft LoRA adapter directory, or None for the base weights (any adapter
+        switched off); prompts are grouped by adapter, one pass per adapter, so a sample's tokens are those it
+        gets alone. The first adapter directory wraps the model in a peft PeftModel, which injects adapter layers
+        into it: give the backend its own copy of a model that is also being trained."""
         from tqdm import tqdm
 
         from common import rank
         out = [None] * len(prompts)
-        adapters = adapters or [None] * len(prompts)
+        groups = [None] if adapters is None else list(dict.fromkeys(adapters))
         # a bar with an ETA over the batches, on a terminal only (tqdm's disable=None) and on rank 0
         bar = tqdm(total=len(prompts), unit="seq", desc="generate", leave=False,
                    disable=None if rank() == 0 and len(prompts) > self.max_batch else True)
-        for adapter in dict.fromkeys(adapters):   # one pass per adapter, in first-seen order
-            mine = [i for i in range(len(prompts)) if adapters[i] == adapter]
+        for adapter in groups:   # one pass per adapter, in first-seen order
+            mine = list(range(len(prompts))) if adapters is None else [i for i in range(len(prompts)) if adapters[i] == adapter]
             # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
             order = sorted(mine, key=lambda i: (len(prompts[i]), prompts[i]))
-            with self._adapter(adapter):
+            with contextlib.nullcontext() if adapters is None else self.with_adapter(adapter):
                 for s in range(0, len(order), self.max_batch):
                     idx = order[s: s + self.max_batch]
                     for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, temperature,
@@ -107,19 +121,21 @@ class HFBackend:
         bar.close()
         return out
 
-    def _adapter(self, path):
-        """A context in which the model runs with the LoRA adapter at `path` (None: without any adapter)."""
-        import contextlib
-
+    def with_adapter(self, path):
+        """A context in which the model runs with the LoRA adapter directory `path` (None: without any adapter),
+        loaded on first use under a name of its own (peft names may not hold dots; paths may); the adapter
+        that was active before is active again after it."""
         from peft import PeftModel
         if path is None:
             return self.model.disable_adapter() if isinstance(self.model, PeftModel) else contextlib.nullcontext()
+        names = self.__dict__.setdefault("adapter_names", {})
         if not isinstance(self.model, PeftModel):
-            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=path).eval()
-        elif path not in self.model.peft_config:
-            self.model.load_adapter(path, adapter_name=path)
-        self.model.set_adapter(path)
-        return contextlib.nullcontext()
+            names[path] = "expert0"
+            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=names[path]).eval()
+        elif path not in names:
+            names[path] = f"expert{len(names)}"
+            self.model.load_adapter(path, adapter_name=names[path])
+        return _active_adapter(self.model, names[path])
 
     def sleep(self):
         """Nothing to free: the hf engine's weights are (or mirror) the policy's."""
@@ -272,7 +288,7 @@ class VLLMBackend:
             self.llm = vllm.LLM(**kw)
         finally:
             sys.modules.update(hidden)
-        self._lora_ids = {}
+        self._lora_ids, self._lora_next = {}, 1
 
     def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
         from vllm import SamplingParams
@@ -299,8 +315,15 @@ class VLLMBackend:
         if path is None:
             return None
         from vllm.lora.request import LoRARequest
-        i = self._lora_ids.setdefault(path, len(self._lora_ids) + 1)
-        return LoRARequest(lora_name=path, lora_int_id=i, lora_path=path)
+        if path not in self._lora_ids:
+            self._lora_ids[path], self._lora_next = self._lora_next, self._lora_next + 1
+        i = self._lora_ids[path]
+        return LoRARequest(lora_name=f"{path}#{i}", lora_int_id=i, lora_path=path)
+
+    def refresh_lora(self, path):
+        """The adapter directory `path` was rewritten (mle.py's push after an update): its next request gets a new
+        LoRA id, so the engine loads the new weights instead of serving the ones it cached under the old id."""
+        self._lora_ids.pop(path, None)
 
     def sleep(self):
         if self.support["sleep"]:
@@ -341,17 +364,20 @@ def shared_vllm(path, tokenizer, **kw):
 # ----------------------------------------------------------------------------- the one backend factory
 
 def make_backend(kind: str, tok, path: str, *, policy=None, device=None, gen_batch: int = 64, bf16: bool = False,
-                 gpu_util: float = 0.5, max_tokens: int = MAX_TOKENS, seed: int = 0, attn: str = "sdpa"):
+                 gpu_util: float = 0.5, max_tokens: int = MAX_TOKENS, seed: int = 0, attn: str = "sdpa",
+                 max_lora_rank: int = 0):
     """(backend, engine_model): what rollouts are sampled with, for a training script (policy: the model being
     trained, maybe FSDP2-sharded) or an evaluation (policy None: the checkpoint at `path` is what is sampled).
     kind "vllm": the process's one colocated vLLM engine (engine_model None); started from `path` by the first
     call, and given the policy's weights (or, without a policy, `path`'s tensors) by a push on every later call.
     kind "hf": without a policy, `path` loaded in eval mode; single process, the policy itself; under FSDP2 an
-    unsharded copy on each rank (bf16 with bf16), refreshed by push_weights after every update."""
+    unsharded copy on each rank (bf16 with bf16), refreshed by push_weights after every update. max_lora_rank > 0
+    starts the vLLM engine with LoRA on (adapters up to that rank, per request)."""
     from common import checkpoint_tensors, full_params, load_policy, print0, rank, same_tensors, sharded
     if kind == "vllm":
         engine, started = shared_vllm(path, tok, dtype="bfloat16" if bf16 else "float32", gpu_util=gpu_util,
-                                      max_model_len=max_tokens, seed=seed + rank(), max_batch=gen_batch)
+                                      max_model_len=max_tokens, seed=seed + rank(), max_batch=gen_batch,
+                                      max_lora_rank=max_lora_rank)
         if started:
             print0(f"vllm backend: {engine.support}")
         elif policy is not None:
@@ -592,6 +618,19 @@ def saved_episodes(tok, records, max_tokens: int = MAX_TOKENS, max_turn_tokens: 
                      max_turn_tokens=max_turn_tokens)[0]
         ep.reward, ep.metrics = float(r.get("reward", 0.0)), dict(r.get("metrics") or {})
         out.append(ep)
+    return out
+
+
+def expert_records(path: str, domain: str) -> list:
+    """The episode records of `domain` in the *.jsonl files of directory `path` (evaluate.py --save-episodes'
+    format), sorted; UsageError on a missing directory or a malformed line."""
+    from envs.base import read_jsonl
+    if not os.path.isdir(path):
+        raise UsageError(f"--expert-data {path}: not a directory")
+    out = []
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".jsonl")):
+        out += [r for r in read_jsonl(os.path.join(path, name))
+                if isinstance(r, dict) and r.get("env") == domain and isinstance(r.get("messages"), list)]
     return out
 
 

@@ -4,7 +4,9 @@ global batch of episodes, each rank taking its share, FSDP2-sharded when distrib
 log-probs are perturbed so the clip and the importance weight are exercised. Rank 0 writes the loss,
 the clip fraction and the updated full state dict to argv[1]. argv[4] "uneven": rank 0 holds 7 episodes and
 rank 1 one (train_on and episode_logprobs must pad the smaller rank's passes), and the episodes' log-probs
-(train_step.episode_logprobs, gathered) are written too."""
+(train_step.episode_logprobs, gathered) are written too. argv[4] "lora": the model is mle.py's expert (the frozen
+micro Qwen3 with a LoRA adapter whose B is made non-zero, AdamW on the adapter only, the k3 KL to the adapter-disabled
+model through mle.AdapterOff), sharded the same way."""
 import argparse
 import os
 import sys
@@ -40,11 +42,22 @@ def main():
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                       head_dim=16, intermediate_size=64, tie_word_embeddings=True, max_position_embeddings=64,
                       pad_token_id=0)
-    model = shard(Qwen3ForCausalLM(cfg))
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    lora = len(sys.argv) > 4 and sys.argv[4] == "lora"
+    model = Qwen3ForCausalLM(cfg)
+    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.1 if lora else 0.0, loss="grpo")
+    if lora:
+        import mle
+        model = mle.with_adapter(model, argparse.Namespace(lora_rank=4, lora_alpha=8, lora_dropout=0.0,
+                                                           lora_targets=list(mle.TARGETS)))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn_like(p) * 0.1)
+    model = shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2) if lora else \
+        torch.optim.SGD(model.parameters(), lr=1.0)
     eps = episodes()
     adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
-    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, loss="grpo")
     per = len(eps) // world_size()
     mine = slice(rank() * per, (rank() + 1) * per)
     if len(sys.argv) > 4 and sys.argv[4] == "uneven" and world_size() == 2:
@@ -56,9 +69,12 @@ def main():
         parts = [None] * world_size()
         dist.all_gather_object(parts, lps)
         lps = [x for part in parts for x in part]
+    extras = dict(adv=adv[mine])
+    if lora:
+        extras["ref"] = episode_logprobs(mle.AdapterOff(model), eps[mine], micro_batch=mb)
     loss, stats = train_on(model, opt, eps[mine], lambda lp, b, x: grpo_loss(lp, b, x, a),
                            micro_batch=mb,
-                           agg=sys.argv[3] if len(sys.argv) > 3 else "token", grad_clip=1e9, extras=dict(adv=adv[mine]))
+                           agg=sys.argv[3] if len(sys.argv) > 3 else "token", grad_clip=1e9, extras=extras)
     clip = stats["clip"]
     sd = full_state_dict(model)
     if rank() == 0:

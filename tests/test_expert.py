@@ -12,7 +12,15 @@ import evaluate
 import train_seq
 from common import UsageError
 from envs import make_env, per_domain
-from envs.rollout import Generation, ReplayBackend, episode_record, expert_episodes, rollout, saved_episodes
+from envs.rollout import (
+    Generation,
+    ReplayBackend,
+    episode_record,
+    expert_episodes,
+    expert_records,
+    rollout,
+    saved_episodes,
+)
 
 LIMITS = dict(max_tokens=20000, max_turn_tokens=4000)   # the micro tokenizer spends more tokens than the tiny one
 
@@ -81,9 +89,9 @@ def test_saved_episodes_render_exactly_as_the_live_ones(micro, tmp_path):
         again = saved_episodes(tok, rows, **LIMITS)
         for x, y in zip(live, again):
             assert x.token_ids == y.token_ids and x.loss_mask == y.loss_mask and y.reward == 1.0
-        assert train_seq.expert_records(str(tmp_path), domain) == rows
+        assert expert_records(str(tmp_path), domain) == rows
     with pytest.raises(UsageError, match="not a directory"):
-        train_seq.expert_records(str(tmp_path / "missing"), "search")
+        expert_records(str(tmp_path / "missing"), "search")
 
 
 def test_gold_likelihood_of_an_expert_copier_beats_a_random_model(micro):

@@ -105,7 +105,8 @@ def test_the_full_scale_presets_refuse_the_tiny_worlds(script, tmp_path):
 def test_a_user_endpoint_without_a_model_name_is_refused(tmp_path):
     """A served model answers an unknown name with an error, which would end every e-commerce episode in a user error
     (reward 0): --user-url needs --user-model, in every script that takes it."""
-    for cmd in (["train_seq.py", "--curriculum", "ecommerce", "--runs", str(tmp_path / "runs")],
+    for cmd in (["train_seq.py", "--curriculum", "ecommerce", "--init", os.path.join(ROOT, "assets", "tiny-base"), "--runs",
+                 str(tmp_path / "runs")],
                 ["evaluate.py", "--suite", "full", "--ckpt", os.path.join(ROOT, "assets", "tiny-base"), "--benchmarks",
                  "tau-retail", "--out-dir", str(tmp_path / "eval")]):
         r = subprocess.run([sys.executable, *cmd, "--user-url", "http://127.0.0.1:9/v1"], cwd=ROOT,

@@ -1,0 +1,489 @@
+"""Mixture of Low-Rank Experts (MLE), the study's proposed recipe: every domain's behaviour is first learned into one
+shared backbone by offline replay (SDFT, sdft.py), the backbone is frozen, and each domain is then refined with RL
+inside its own LoRA adapter, so that a later domain can never overwrite the weights an earlier one depends on. A
+router picks the expert per request: the task's environment tag (--router tag, as in the study) or a classifier on
+the backbone's hidden states of the prompt (--router learned).
+
+    python mle.py                                        # tiny: runs/tiny/sdft (frozen) -> runs/tiny/mle/experts/<domain>
+    python mle.py --router learned                       # + the learned router -> runs/tiny/mle/router.pt
+    python mle.py --export merged                        # + one merged full checkpoint per domain -> runs/tiny/mle-merged/
+    python evaluate.py --ckpt runs/tiny/mle              # tag routing (runs/tiny/eval/mle.json)
+    python evaluate.py --ckpt runs/tiny/mle --router learned       # learned routing (eval/mle-learned.json)
+    torchrun --standalone --nproc_per_node=2 mle.py --runs runs/tiny-dist     # FSDP2, 2 CPU ranks (gloo)
+    torchrun --nproc_per_node=8 mle.py --preset qwen3-8b --backend vllm --math-data ... --user-url ...
+
+Each expert (domains in --domains order; a finished one is skipped, a killed one resumes from its last saved step):
+  1. the backbone (--backbone, default runs/<preset>/sdft; any checkpoint, the released code used an early SDFT one),
+     frozen, wrapped with a fresh peft LoRA adapter (--lora-rank 16, --lora-alpha 32, --lora-dropout 0 on
+     --lora-targets q,k,v,o,gate,up,down: the released code's defaults); only the adapter trains;
+  2. train_seq.py's GRPO loop on the domain's train split (composed, not copied: grpo() with three seams: the
+     weight push carries the adapter only, the rollouts sample with the live adapter, the resume state records
+     MLE's recipe), with --lr for the adapter and a k3 KL to the adapter-disabled backbone (--kl-coef, released
+     0.01), which costs no second model: the same weights with the adapter switched off;
+  3. the adapter saved as a standard peft directory runs/<preset>/mle/experts/<domain>/ (PeftModel.from_pretrained,
+     vLLM's LoRARequest), with acl_meta.json: the recipe, trainable parameters, bytes on disk, seconds.
+
+Differences from the paper and the released code:
+1. The backbone keeps fp32 master weights like every other script here (FSDP2's bf16 MixedPrecisionPolicy casts for
+   compute); frozen, it has no gradients or optimizer state.
+2. The tiny preset's steps and prompts are train_seq.py's; its LoRA learning rate is 10x the full fine-tuning one
+   (2e-3 vs 2e-4), fixed before any run.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import (
+    Parser,
+    UsageError,
+    check_output,
+    check_run_files,
+    full_params,
+    init_dist,
+    is_checkpoint,
+    load_policy,
+    mark_diverged,
+    print0,
+    rank,
+    read_meta,
+    remove_leftovers,
+    run_files,
+    save_checkpoint,
+    save_json,
+    seed_all,
+    shard,
+    sharded,
+    teardown,
+    usage_exit,
+    world_size,
+    write_atomically,
+    write_meta,
+)
+from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
+from envs.rollout import HFBackend, ServiceError, make_backend
+from scale import dry_run
+from train_seq import add_grpo_flags, check_grpo_flags, grpo, stage_args
+from train_seq import recipe as grpo_recipe
+from train_step import add_scale_flags, add_step_flags, check_shared_flags
+
+PRESETS = {
+    "tiny": dict(arch="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16", prompts="math=16,search=16,ecommerce=4,if=16", group=8,
+                 lr="2e-3", kl_coef="0.01", loss="grpo", max_gen_rounds=2),
+    "qwen3-8b": dict(arch="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128, group=8, lr="1e-5",
+                     kl_coef="0.01", loss="gspo", max_gen_rounds=3),
+}
+TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+           "down": "down_proj"}
+FORMAT = "aclarena-mle/1"
+
+
+# ----------------------------------------------------------------------------- the expert: backbone + one adapter
+
+def lora_config(a):
+    from peft import LoraConfig
+    return LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, bias="none",
+                      target_modules=[TARGETS[t] for t in a.lora_targets], task_type="CAUSAL_LM")
+
+
+def with_adapter(model, a):
+    """The frozen backbone `model` wrapped with a fresh LoRA adapter (peft's init: A random, B zero, so the expert
+    starts exactly at the backbone); only the adapter's weights require gradients."""
+    from peft import get_peft_model
+    model.requires_grad_(False)
+    return get_peft_model(model, lora_config(a))
+
+
+class AdapterOff(torch.nn.Module):
+    """The KL's reference: the expert's own model with its adapter switched off, i.e. the frozen backbone, without a
+    second copy of it. It runs through train_step's scoring code like any model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = [model]             # a list, so that the policy's weights are not registered twice
+        self.config = model.config
+
+    def get_base_model(self):
+        return self.inner[0].get_base_model()
+
+    @property
+    def is_gradient_checkpointing(self):
+        from common import checkpoints_activations
+        return checkpoints_activations(self.get_base_model())
+
+    def parameters(self, recurse: bool = True):
+        return self.inner[0].parameters(recurse)
+
+    def forward(self, **kw):
+        with self.inner[0].disable_adapter():
+            return self.inner[0](**kw)
+
+
+def adapter_params(model):
+    """(name, full tensor) of the adapter's weights only, one at a time (all-gathered under FSDP2: every rank
+    iterates in step): the weight push and the saved expert never carry the backbone."""
+    return ((n, t) for n, t in full_params(model, trainable_only=True))
+
+
+def save_adapter(model, out: str, meta: dict):
+    """The adapter as a standard peft directory (adapter_config.json, adapter_model.safetensors) plus acl_meta.json,
+    written atomically. Every rank calls it (the gather is a collective); rank 0 writes."""
+    sd = dict(adapter_params(model))
+    if rank() == 0:
+        def write(tmp):
+            model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            write_meta(tmp, dict(meta, adapter_bytes=os.path.getsize(os.path.join(tmp, "adapter_model.safetensors"))))
+        write_atomically(out, write)
+
+
+def expert_backend(a, tok, policy, device, live: str):
+    """(backend, push, adapter): what the expert's rollouts sample with, how an update reaches it, and the adapter
+    argument the rollouts pass. hf, one process: the policy itself, with its live adapter. hf under FSDP2: an
+    unsharded copy of the backbone with the same adapter on each rank; a push copies the adapter's tensors into it.
+    vllm: the engine (LoRA on) samples with the adapter directory `live`/rank<r>, rewritten by every push and
+    served under a new LoRA id, so the engine never reuses the old weights."""
+    from envs.rollout import push_weights
+    if a.backend == "vllm":
+        backend, _ = make_backend("vllm", tok, a.backbone, gen_batch=a.gen_batch, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
+                                  max_tokens=a.max_tokens, seed=a.seed, max_lora_rank=a.lora_rank)
+        mine = os.path.join(live, f"rank{rank()}")
+
+        def push(backend, policy):
+            sd = dict(adapter_params(policy))
+            policy.save_pretrained(mine, state_dict=sd, safe_serialization=True)   # each rank its own engine's copy
+            backend.refresh_lora(mine)
+        push(backend, policy)
+        return backend, push, mine
+    if not sharded():
+        return HFBackend(policy, tok, a.gen_batch), push_weights, None
+    engine, _ = load_policy(a.backbone, device, a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
+    engine = with_adapter(engine, a).eval()
+
+    def push(backend, policy):
+        backend.load_weights(adapter_params(policy))
+    backend = HFBackend(engine, tok, a.gen_batch)
+    push(backend, policy)
+    return backend, push, None
+
+
+def recipe(a, domain: str) -> dict:
+    """What a finished expert (and its resume state) must match: train_seq's GRPO recipe for the domain from the
+    backbone, and the adapter's shape."""
+    return dict(grpo_recipe(a, domain), method="mle", lora=dict(rank=a.lora_rank, alpha=a.lora_alpha,
+                                                                dropout=a.lora_dropout, targets=a.lora_targets))
+
+
+def train_expert(a, i: int, domain: str, env, device) -> dict:
+    """Steps 1-3 of the module docstring for one domain; -> the expert's acl_meta."""
+    a = stage_args(a, domain)
+    out = os.path.join(a.out, "experts", domain)
+    name = f"mle/{domain}"
+    t0 = time.time()
+    seed_all(a.seed + i)                                        # the adapter's initialisation too
+    backbone, tok = load_policy(a.backbone, device, a.attn, a.grad_ckpt)
+    policy = with_adapter(backbone, a)
+    n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in policy.parameters())
+    print0(f"[{name}] LoRA rank {a.lora_rank} alpha {a.lora_alpha} on {','.join(a.lora_targets)}: {n_train:,} trainable "
+           f"of {n_all:,} parameters ({100 * n_train / n_all:.2f}%)")
+    policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    backend, push, adapter = expert_backend(a, tok, policy, device, out + ".live")
+    ref = AdapterOff(policy) if a.kl_coef > 0 else None
+    resume_path, resume_recipe, _ = run_files(out)
+    rec = recipe(a, domain)
+    grpo(policy, tok, backend, env, domain, a, name, a.steps_by_domain[domain], resume_path, ref, push=push,
+         adapter=adapter, out=out, rec=rec)
+    meta = dict(method="mle-expert", stage=domain, parent=os.path.abspath(a.backbone), step=a.steps_by_domain[domain],
+                seed=a.seed, recipe=rec, trainable_params=n_train, total_params=n_all,
+                config={k: v for k, v in vars(a).items() if k != "env_opts"} | dict(env_opts=a.env_opts),
+                seconds=round(time.time() - t0, 1))
+    save_adapter(policy, out, meta)
+    if rank() == 0:
+        for path in (resume_path, resume_recipe):
+            if os.path.exists(path):
+                os.remove(path)
+        print0(f"[{name}] saved {out} ({read_meta(out)['adapter_bytes'] / 2**20:.2f} MiB) in {time.time() - t0:.0f}s")
+    return read_meta(out) if rank() == 0 else meta
+
+
+# ----------------------------------------------------------------------------- routing
+
+@torch.no_grad()
+def prompt_features(model, tok, items, batch: int = 16) -> torch.Tensor:
+    """(N, h) the frozen backbone's last hidden states mean-pooled over each prompt's tokens (the chat-rendered
+    opening messages and tools, exactly what the policy is prompted with): what the learned router reads."""
+    from envs.rollout import ChatML
+    from train_step import pad_id
+    chat, dev = ChatML(tok), next(model.parameters()).device
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prompts = [chat.prompt(env.reset(t).messages, t.tools) for env, t in items]
+    out = []
+    for s in range(0, len(prompts), batch):
+        ps = prompts[s: s + batch]
+        T = max(len(p) for p in ps)
+        ids = torch.full((len(ps), T), pad_id(base), dtype=torch.long)
+        attn = torch.zeros((len(ps), T), dtype=torch.long)
+        for i, p in enumerate(ps):                                   # right-padded: positions 0.. are the prompt's
+            ids[i, : len(p)], attn[i, : len(p)] = torch.tensor(p), 1
+        h = base.model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state.float()    # (b, T, h)
+        m = attn.to(dev)[..., None].float()
+        out.append(((h * m).sum(1) / m.sum(1)).cpu())
+    return torch.cat(out)
+
+
+class Router(torch.nn.Module):
+    """The learned router: a linear softmax classifier over domains on standardised prompt features."""
+
+    def __init__(self, dim: int, domains: list):
+        super().__init__()
+        self.domains = list(domains)
+        self.linear = torch.nn.Linear(dim, len(domains))
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("std", torch.ones(dim))
+
+    def forward(self, x):                                            # (N, h) -> (N, domains) logits
+        return self.linear((x - self.mean) / self.std)
+
+
+def train_router(a, envs, device) -> dict:
+    """--router learned: fit the router on --router-prompts train prompts per domain (full-batch AdamW, cross-entropy,
+    --router-steps steps), report its accuracy on every domain's test and ood prompts, save <out>/router.pt."""
+    t0 = time.time()
+    model, tok = load_policy(a.backbone, device, a.attn)
+    model.eval()
+    xs, ys = [], []
+    for j, d in enumerate(a.domains):
+        tasks = envs[d].tasks("train", seed=a.seed)[: a.router_prompts]
+        xs.append(prompt_features(model, tok, [(envs[d], t) for t in tasks]))
+        ys += [j] * len(tasks)
+    x, y = torch.cat(xs), torch.tensor(ys)
+    torch.manual_seed(a.seed)
+    router = Router(x.size(1), a.domains)
+    router.mean.copy_(x.mean(0))
+    router.std.copy_(x.std(0).clamp(min=1e-6))
+    opt = torch.optim.AdamW(router.parameters(), lr=1e-2, weight_decay=1e-2)
+    for _ in range(a.router_steps):
+        loss = torch.nn.functional.cross_entropy(router(x), y)      # the router's loss: -log p(domain | prompt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    acc = {"train": (router(x).argmax(-1) == y).float().mean().item()}
+    for split in ("test", "ood"):
+        hits, n = 0, 0
+        for j, d in enumerate(a.domains):
+            tasks = envs[d].tasks(split, seed=a.seed)[: a.router_prompts]
+            if tasks:
+                pred = router(prompt_features(model, tok, [(envs[d], t) for t in tasks])).argmax(-1)
+                hits, n = hits + int((pred == j).sum()), n + len(tasks)
+                acc[f"{split}/{d}"] = (pred == j).float().mean().item()
+        acc[split] = hits / max(n, 1)
+    save = dict(state=router.state_dict(), domains=a.domains, dim=x.size(1), accuracy=acc, prompts=a.router_prompts,
+                steps=a.router_steps, final_loss=loss.item(), seconds=round(time.time() - t0, 1))
+    from common import write_file_atomically
+    write_file_atomically(os.path.join(a.out, "router.pt"), lambda tmp: torch.save(save, tmp))
+    print0(f"[mle] learned router: train accuracy {acc['train']:.3f}, test {acc['test']:.3f}, ood {acc['ood']:.3f} "
+           f"({a.router_prompts} prompts per domain and split, {time.time() - t0:.0f}s) -> {a.out}/router.pt")
+    return acc
+
+
+def is_mle(path: str) -> bool:
+    return read_meta(path).get("format") == FORMAT
+
+
+def backbone_of(path: str) -> str:
+    return read_meta(path)["backbone"]
+
+
+def lora_rank_of(path: str) -> int:
+    return max((read_meta(e).get("recipe", {}).get("lora", {}).get("rank", 0) for e in experts_of(path).values()),
+               default=0)
+
+
+def experts_of(path: str) -> dict:
+    """{domain: expert directory} of an MLE directory; UsageError on a missing or unfinished expert."""
+    meta = read_meta(path)
+    out = {}
+    for d in meta.get("domains", []):
+        e = os.path.join(path, "experts", d)
+        if not os.path.isfile(os.path.join(e, "adapter_config.json")):
+            raise UsageError(f"{path}: the {d} expert is missing ({e}); finish it with python mle.py --out {path}")
+        out[d] = e
+    return out
+
+
+def router(path: str, kind: str, tok):
+    """route(env, task) -> the expert directory that serves the task. kind "tag": the task's environment tag (an
+    unknown tag is a UsageError); "learned": the learned router's top-1 domain for the task's prompt (features from
+    the backbone, loaded once here). With tok None only checks that everything is there."""
+    experts = experts_of(path)
+    if kind == "tag":
+        def route(env, task):
+            if env.domain not in experts:
+                raise UsageError(f"{path} has no expert for the tag {env.domain!r} (experts: {', '.join(experts)})")
+            return experts[env.domain]
+        return route
+    saved_path = os.path.join(path, "router.pt")
+    if not os.path.isfile(saved_path):
+        raise UsageError(f"{path} has no learned router ({saved_path}): python mle.py --router learned --out {path}")
+    if tok is None:
+        return None
+    saved = torch.load(saved_path, weights_only=True)
+    r = Router(saved["dim"], saved["domains"])
+    r.load_state_dict(saved["state"])
+    model, _ = load_policy(backbone_of(path), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    model.eval()
+
+    def route(env, task):
+        return experts[r.domains[int(r(prompt_features(model, tok, [(env, task)])).argmax(-1))]]
+    return route
+
+
+def export_merged(a):
+    """--export merged: backbone + each expert merged into one full checkpoint (peft's merge_and_unload), for
+    stacks without LoRA -> <export-out>/<domain>/."""
+    from peft import PeftModel
+    for d, e in experts_of(a.out).items():
+        model, tok = load_policy(a.backbone, torch.device("cpu"), a.attn)
+        merged = PeftModel.from_pretrained(model, e).merge_and_unload()
+        dest = os.path.join(a.export_out, d)
+        save_checkpoint(dest, merged, tok, dict(method="mle-merged", stage=d, parent=os.path.abspath(a.backbone),
+                                                expert=os.path.abspath(e), recipe=read_meta(e).get("recipe")))
+        print0(f"[mle] merged {e} into {a.backbone} -> {dest}")
+
+
+# ----------------------------------------------------------------------------- command line
+
+def get_args(argv=None):
+    pre = Parser(add_help=False)
+    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    name = pre.parse_known_args(argv)[0].preset
+    preset = PRESETS[name]
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
+    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    p.add_argument("--backbone", default=None, help="frozen backbone checkpoint (default <runs>/sdft)")
+    p.add_argument("--domains", default=",".join(DOMAINS), help="the experts, trained in this order")
+    p.add_argument("--out", default=None, help="MLE directory (default <runs>/mle)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r")
+    p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha (the update is scaled by alpha / r)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument("--lora-targets", default=",".join(TARGETS), help=f"projections with an adapter, of {','.join(TARGETS)}")
+    add_grpo_flags(p, preset)
+    p.add_argument("--router", default="tag", choices=["tag", "learned"], help="tag: the task's environment tag picks "
+                   "the expert (no training); learned: also fit a classifier on the backbone's prompt features")
+    p.add_argument("--router-prompts", type=int, default=256, help="learned router: prompts per domain and split")
+    p.add_argument("--router-steps", type=int, default=300, help="learned router: full-batch AdamW steps")
+    p.add_argument("--export", default=None, choices=["merged"], help="also write one merged full checkpoint per "
+                                                                      "domain (backbone + expert)")
+    p.add_argument("--export-out", default=None, help="--export's directory (default <out>-merged)")
+    add_scale_flags(p, name)
+    add_step_flags(p, name)
+    add_data_flags(p, train=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+def check_args(a):
+    """Every bad input stops here with a UsageError, before anything is loaded or written."""
+    check_shared_flags(a)
+    a.domains = list(parse_domains(a.domains))
+    check_grpo_flags(a, a.domains)
+    a.lora_targets = [t.strip() for t in a.lora_targets.split(",") if t.strip()]
+    bad = [t for t in a.lora_targets if t not in TARGETS]
+    for ok, msg in [(a.lora_rank >= 1, "--lora-rank must be >= 1"),
+                    (a.router_prompts >= 1 and a.router_steps >= 1, "need --router-prompts >= 1, --router-steps >= 1"), (a.lora_alpha > 0, "--lora-alpha must be > 0"),
+                    (0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+                    (a.lora_targets and not bad, f"--lora-targets: unknown {', '.join(bad)} (of {', '.join(TARGETS)})")]:
+        if not ok:
+            raise UsageError(msg)
+    a.runs = a.runs or os.path.join("runs", a.preset)
+    a.backbone = a.backbone or os.path.join(a.runs, "sdft")
+    a.out = a.out or os.path.join(a.runs, "mle")
+    a.export_out = a.export_out or a.out.rstrip(os.sep) + "-merged"
+    # train_seq's recipe() reads these: each expert is one stage from the backbone, with no cold start
+    a.init, a.oracle, a.curriculum, a.rft_prompts_by_domain, a.cold_start, a.expert_data = \
+        a.backbone, True, a.domains, {}, None, None
+    for k in ("rft_samples", "rft_epochs", "rft_lr"):
+        setattr(a, k, None)
+    if a.dry_run:
+        return a
+    if not is_checkpoint(a.backbone):
+        raise UsageError(f"--backbone checkpoint not found: {a.backbone} (the SDFT student: python sdft.py)")
+    if a.preset != "tiny":
+        require_real_data(a, a.domains)
+    a.env_opts = env_options(a)
+    check_output(a.out, "mle", inputs=[a.backbone], overwrite=True)
+    meta = read_meta(a.out)
+    if meta and meta.get("backbone") != os.path.abspath(a.backbone):
+        raise UsageError(f"--out {a.out} holds experts on another backbone ({meta.get('backbone')}); use another --out")
+    for d in a.domains:
+        check_run_files(os.path.join(a.out, "experts", d), recipe(stage_args(a, d), d))
+    for d in a.domains if a.export else []:
+        check_output(os.path.join(a.export_out, d), "mle-merged", inputs=[a.backbone, a.out], overwrite=True,
+                     flag="--export-out")
+    return a
+
+
+def main(argv=None):
+    a = get_args(argv)
+    try:
+        a = check_args(a)
+        if a.dry_run:
+            arch = a.backbone if is_checkpoint(a.backbone) else PRESETS[a.preset]["arch"]   # an SDFT backbone's shape
+            dry_run(a, arch, a.world_size, a.micro_batch, a.max_tokens,
+                    lora=dict(rank=a.lora_rank, targets=[TARGETS[t] for t in a.lora_targets]))
+            return
+        envs = load_envs(a.domains, a.env_opts, a.seed)
+    except UsageError as e:
+        usage_exit(e)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = init_dist()
+    t0 = time.time()
+    print0(f"mle: experts {', '.join(a.domains)} on the frozen backbone {a.backbone} -> {a.out}, {world_size()} "
+           f"process(es)\nresolved config: {vars(a)}")
+    if rank() == 0:
+        remove_leftovers([os.path.join(a.out, "experts", d) for d in a.domains])
+        top = dict(method="mle", format=FORMAT, backbone=os.path.abspath(a.backbone), domains=a.domains, router="tag",
+                   experts={d: os.path.join("experts", d) for d in a.domains})
+        os.makedirs(a.out, exist_ok=True)
+        save_json(os.path.join(a.out, "acl_meta.json"), read_meta(a.out) | top)
+    if sharded():
+        dist.barrier()
+    done = {}
+    for i, d in enumerate(a.domains, 1):
+        out = os.path.join(a.out, "experts", d)
+        if read_meta(out).get("recipe") == recipe(stage_args(a, d), d):
+            print0(f"[mle/{d}] finished before, skipping")
+            done[d] = read_meta(out)
+            continue
+        try:
+            done[d] = train_expert(a, i, d, envs[d], device)
+        except FloatingPointError as e:
+            if rank() == 0:
+                mark_diverged(out, str(e))
+            sys.exit(f"error: {e}; nothing non-finite was saved; the experts before it are kept")
+        except ServiceError as e:
+            sys.exit(f"error: {e}; stopped before training on it; its resume state (if any) is kept")
+    if rank() == 0:
+        summary = {d: dict(trainable_params=m.get("trainable_params"), adapter_bytes=m.get("adapter_bytes"),
+                           seconds=m.get("seconds")) for d, m in done.items()}
+        save_json(os.path.join(a.out, "acl_meta.json"), read_meta(a.out) | dict(expert_summary=summary, finished=True))
+        for d, s in summary.items():
+            print0(f"[mle] {d}: {s['trainable_params']:,} trainable parameters, {s['adapter_bytes'] or 0:,} bytes")
+        if a.router == "learned":
+            save_json(os.path.join(a.out, "acl_meta.json"), read_meta(a.out) | dict(router_accuracy=train_router(a, envs,
+                                                                                                             device)))
+        if a.export:
+            export_merged(a)
+    print0(f"done in {time.time() - t0:.0f}s")
+    teardown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
