@@ -76,11 +76,12 @@ STAGE_RE = re.compile(r"^seq-(\d+)-(\w+)$")  # a sequential stage: seq-<i>-<doma
 # ----------------------------------------------------------------------------- benchmarks
 
 def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, env_opts=None, sources=None,
-                    benchmarks=None) -> dict:
+                    benchmarks=None, mixed=False) -> dict:
     """{benchmark: (env, tasks)} of a suite; raises UsageError on a bad name, split or data source.
 
     tiny: `<domain>/<split>` for every domain and split, n tasks each (default 300) from the tiny worlds (task
-    seed 0, so every checkpoint and every seed sees the same tasks).
+    seed 0, so every checkpoint and every seed sees the same tasks); with mixed, also `mixed/<split>` for the test
+    and ood splits among `splits`: envs/mixed.py's search-then-arithmetic tasks, which carry no domain tag.
     full: the benchmarks of `domains` (or the names in `benchmarks`), n tasks each (default all); `sources` maps a
     benchmark to an HF id or local path, `env_opts` maps a domain to its Env's constructor arguments (search:
     data/corpus/retriever_url; ecommerce: data/user_url/user_model). `splits` is not used by the full suite."""
@@ -97,6 +98,10 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
             env = make_env(d, **env_opts.get(d, {}))
             for split in splits:
                 out[f"{d}/{split}"] = (env, env.tasks(split, n=n, seed=0))
+        if mixed:
+            from envs.mixed import MixedEnv
+            env = MixedEnv()
+            out.update({f"mixed/{split}": (env, env.tasks(split, n=n, seed=0)) for split in splits if split in ("test", "ood")})
     else:
         names = list(benchmarks) if benchmarks else [b for b, d in FULL_BENCHMARKS.items() if d in domains]
         unknown = [b for b in list(names) + list(sources) if b not in FULL_BENCHMARKS]
@@ -264,7 +269,8 @@ def routed_gold(backend, tok, env, items, adapters, ctx):
             "task_ids": [r[1] for r in rows], "per_task_loglik": [r[2] for r in rows], "per_task_top1": [r[3] for r in rows]}
 
 
-def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", max_lora_rank=0, **kwargs) -> dict:
+def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mix=False, max_lora_rank=0,
+                  **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
     The backend comes from envs.rollout.make_backend: "vllm" starts one engine with the first checkpoint and
     streams each later one into it tensor by tensor (they must share the first one's architecture).
@@ -279,12 +285,12 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", max_lora_
     tok = AutoTokenizer.from_pretrained(weights)
     kwargs.setdefault("label", f"[{path}] ")
     if weights != path:
-        kwargs["route"] = mle.router(path, router, tok)
+        kwargs["route"] = mle.router(path, router, tok, mix=router_mix)
     batch = kwargs.get("batch", 64) if backend_name == "hf" else max(kwargs.get("batch", 64), 256)
     kwargs["backend"], model = make_backend(backend_name, tok, weights, gen_batch=batch,
                                             max_tokens=kwargs.get("max_tokens") or 4096, max_lora_rank=max_lora_rank)
     record = evaluate_record(model, tok, path, suite, t0, **kwargs)
-    return record | (dict(router=router, experts=mle.experts_of(path)) if weights != path else {})
+    return record | (dict(router=router, router_mix=router_mix, experts=mle.experts_of(path)) if weights != path else {})
 
 
 def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
@@ -556,6 +562,8 @@ def parse_args(argv=None):
                                                               "directory: mle.py's backbone + experts + router)")
     p.add_argument("--router", default="tag", choices=["tag", "learned"], help="MLE checkpoints: the expert per task "
                    "from its environment tag, or from mle.py's learned router (saved as <name>-learned)")
+    p.add_argument("--router-mix", action="store_true", help="MLE with --router learned: each task served by a blend "
+                   "of the experts weighted by the router's probabilities (saved as <name>-learned-mix)")
     p.add_argument("--across", nargs="+", default=None, metavar="RUNS",
                    help="instead of evaluating: the accuracy matrices of sequential runs made with different training "
                         "seeds (RUNS/eval/seq_matrix.json each, e.g. runs/tiny runs/tiny-seed1 runs/tiny-seed2), as "
@@ -576,6 +584,8 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="rollout engine: hf (transformers, CPU "
                    "or GPU) or vllm (one engine; each further checkpoint's weights are streamed into it)")
     p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
+    p.add_argument("--mixed", action="store_true", help="tiny suite: also the mixed-domain tasks (envs/mixed.py: a "
+                   "search whose answer feeds an arithmetic step), mixed/test and mixed/ood")
     p.add_argument("--splits", default="test,ood", help="tiny suite: comma-separated splits per domain")
     p.add_argument("--benchmarks", default=None, help="full suite: comma-separated benchmarks (default: all of --domains)")
     p.add_argument("--max-tokens", type=int, default=None, help="token limit per episode (default: "
@@ -632,7 +642,7 @@ def resolve(a) -> dict:
         elif not is_checkpoint(path):
             raise UsageError(f"not a checkpoint directory (no config.json): {path}")
         eval_dir, name = run_name(path)
-        name += f"-{a.router}" if routed and a.router != "tag" else ""
+        name += (f"-{a.router}" + ("-mix" if a.router_mix else "")) if routed and a.router != "tag" else ""
         eval_dir = a.out_dir or eval_dir
         if eval_dir is None:
             raise UsageError(f"cannot tell the preset of {path} (not under runs/<preset>/): pass --out-dir")
@@ -659,8 +669,14 @@ def resolve(a) -> dict:
     benchmarks = [b.strip() for b in a.benchmarks.split(",") if b.strip()] if a.benchmarks else None
     if benchmarks and a.suite != "full":
         raise UsageError("--benchmarks is for the full suite; use --domains and --splits with the tiny suite")
-    tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks)
-    lora = max([mle.lora_rank_of(path) for path, *_ in ckpts if mle.is_mle(path)], default=0)
+    if a.mixed and (a.suite != "tiny" or not set(splits) & {"test", "ood"}):
+        raise UsageError("--mixed adds the tiny worlds' mixed-domain tasks: the tiny suite, with --splits test or ood")
+    if a.mixed and a.router == "tag" and any(mle.is_mle(path) for path, *_ in ckpts):
+        raise UsageError("--mixed tasks carry no domain tag: evaluate an MLE checkpoint on them with --router learned")
+    tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks, mixed=a.mixed)
+    if a.router_mix and a.router != "learned":
+        raise UsageError("--router-mix blends the experts by the learned router's probabilities: add --router learned")
+    lora = max([mle.lora_rank_of(path, a.router_mix) for path, *_ in ckpts if mle.is_mle(path)], default=0)
     return {"domains": domains, "splits": splits, "sources": sources, "env_opts": env_opts, "tasks": tasks,
             "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved, "max_lora_rank": lora}
 
@@ -689,7 +705,8 @@ def main():
     named = {}
     for path, name, _, out in r["ckpts"]:
         episodes = {} if a.save_episodes else None
-        record = evaluate_ckpt(path, a.suite, backend_name=a.backend, router=a.router, max_lora_rank=r["max_lora_rank"],
+        record = evaluate_ckpt(path, a.suite, backend_name=a.backend, router=a.router, router_mix=a.router_mix,
+                               max_lora_rank=r["max_lora_rank"],
                                seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
                                max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
                                tasks=r["tasks"], label=f"[{name}] ", gold=a.gold, episodes=episodes)

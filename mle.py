@@ -30,6 +30,7 @@ Differences from the paper and the released code:
    (2e-3 vs 2e-4), fixed before any run.
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -149,12 +150,8 @@ def expert_backend(a, tok, policy, device, live: str):
     if a.backend == "vllm":
         backend, _ = make_backend("vllm", tok, a.backbone, gen_batch=a.gen_batch, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
                                   max_tokens=a.max_tokens, seed=a.seed, max_lora_rank=a.lora_rank)
-        mine = os.path.join(live, f"rank{rank()}")
-
-        def push(backend, policy):
-            sd = dict(adapter_params(policy))
-            policy.save_pretrained(mine, state_dict=sd, safe_serialization=True)   # each rank its own engine's copy
-            backend.refresh_lora(mine)
+        mine = os.path.join(live, f"rank{rank()}")                 # each rank its own engine's copy
+        push = functools.partial(push_lora_dir, path=mine)
         push(backend, policy)
         return backend, push, mine
     if not sharded():
@@ -167,6 +164,13 @@ def expert_backend(a, tok, policy, device, live: str):
     backend = HFBackend(engine, tok, a.gen_batch)
     push(backend, policy)
     return backend, push, None
+
+
+def push_lora_dir(backend, policy, path: str):
+    """The vLLM weight push of an expert: its adapter written to the directory `path` (the adapter only: a few MiB
+    at 8B), then served under a new LoRA id (VLLMBackend.refresh_lora), so the next rollouts sample the update."""
+    policy.save_pretrained(path, state_dict=dict(adapter_params(policy)), safe_serialization=True)
+    backend.refresh_lora(path)
 
 
 def recipe(a, domain: str) -> dict:
@@ -297,9 +301,11 @@ def backbone_of(path: str) -> str:
     return read_meta(path)["backbone"]
 
 
-def lora_rank_of(path: str) -> int:
-    return max((read_meta(e).get("recipe", {}).get("lora", {}).get("rank", 0) for e in experts_of(path).values()),
-               default=0)
+def lora_rank_of(path: str, mix: bool = False) -> int:
+    """The LoRA rank vLLM must allow for this MLE directory: its largest expert's, or with --router-mix the sum of
+    all (a blend stacks the experts' ranks)."""
+    ranks = [read_meta(e).get("recipe", {}).get("lora", {}).get("rank", 0) for e in experts_of(path).values()]
+    return sum(ranks) if mix else max(ranks, default=0)
 
 
 def experts_of(path: str) -> dict:
@@ -314,10 +320,47 @@ def experts_of(path: str) -> dict:
     return out
 
 
-def router(path: str, kind: str, tok):
+class Blends:
+    """--router-mix: adapters that blend the experts by the router's probabilities, one peft directory per distinct
+    blend (weights rounded to 0.05, those below dropped, renormalised), in a temporary directory of this process.
+    peft's add_weighted_adapter with combination "cat" stacks the experts' ranks, so the blend's update is exactly
+    sum_d w_d B_d A_d (scales included); hf and vLLM serve it like any adapter (its rank: the experts' ranks summed)."""
+
+    def __init__(self, backbone: str, experts: dict):
+        import atexit
+        import shutil
+        import tempfile
+
+        from peft import PeftModel
+        self.dir = tempfile.mkdtemp(prefix="aclarena-mle-blends-")
+        atexit.register(shutil.rmtree, self.dir, True)
+        model, _ = load_policy(backbone, torch.device("cpu"))
+        names = list(experts)
+        self.model = PeftModel.from_pretrained(model, experts[names[0]], adapter_name=names[0])
+        for d in names[1:]:
+            self.model.load_adapter(experts[d], adapter_name=d)
+        self.experts, self.made = experts, {}
+
+    def __call__(self, probs: dict) -> str:
+        w = {d: round(p * 20) / 20 for d, p in probs.items() if round(p * 20) / 20 > 0}
+        if len(w) == 1:
+            return self.experts[next(iter(w))]
+        total = sum(w.values())
+        key = ",".join(f"{d}={v / total:.3f}" for d, v in sorted(w.items()))
+        if key not in self.made:
+            name = f"blend{len(self.made)}"
+            self.model.add_weighted_adapter(list(w), [v / total for v in w.values()], name, combination_type="cat")
+            self.model.save_pretrained(self.dir, selected_adapters=[name])     # -> <dir>/<name>/
+            self.model.delete_adapter(name)
+            self.made[key] = os.path.join(self.dir, name)
+        return self.made[key]
+
+
+def router(path: str, kind: str, tok, mix: bool = False):
     """route(env, task) -> the expert directory that serves the task. kind "tag": the task's environment tag (an
     unknown tag is a UsageError); "learned": the learned router's top-1 domain for the task's prompt (features from
-    the backbone, loaded once here). With tok None only checks that everything is there."""
+    the backbone, loaded once here), or with mix a blend of the experts by its probabilities (Blends). With tok None
+    only checks that everything is there."""
     experts = experts_of(path)
     if kind == "tag":
         def route(env, task):
@@ -335,9 +378,12 @@ def router(path: str, kind: str, tok):
     r.load_state_dict(saved["state"])
     model, _ = load_policy(backbone_of(path), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model.eval()
+    blends = Blends(backbone_of(path), experts) if mix else None
 
+    @torch.no_grad()
     def route(env, task):
-        return experts[r.domains[int(r(prompt_features(model, tok, [(env, task)])).argmax(-1))]]
+        p = torch.softmax(r(prompt_features(model, tok, [(env, task)]))[0], -1)
+        return blends(dict(zip(r.domains, p.tolist()))) if mix else experts[r.domains[int(p.argmax())]]
     return route
 
 

@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8
+torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8 --lora 16
 torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 16 --grad-ckpt --gen-batch 128

@@ -1,7 +1,8 @@
 """GPU figures for the full-scale recipe, with no download: a randomly initialised model with the Qwen3-1.7B
 configuration, (1) the training-step throughput of train_seq.py's GRPO update (train_step.train_on with
 grpo_loss, under FSDP2 with bf16 MixedPrecisionPolicy) in tokens/s and MFU, and (2) the hf backend's
-generation throughput (envs.rollout.HFBackend, bf16). Run through bench/gpu.sh on one H200 (under 8 minutes):
+generation throughput (envs.rollout.HFBackend, bf16), and with --lora R (3) the same update on mle.py's expert (the
+model frozen, a rank-R adapter trained) beside full fine-tuning. Run through bench/gpu.sh on one H200 (under 8 minutes):
 
     bash bench/gpu.sh                                             # torchrun --nproc_per_node=1 bench/gpu_step.py
     torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8 --prompt-len 512 --completion-len 1536
@@ -71,6 +72,8 @@ def main(argv=None):
     p.add_argument("--gen-batch", type=int, default=64, help="generation: sequences")
     p.add_argument("--gen-prompt-len", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=256, help="generation: new tokens per sequence")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="also time the same update on mle.py's expert: "
+                   "the model frozen, a LoRA adapter of this rank on every projection trained (printed beside)")
     p.add_argument("--smoke", action="store_true", help="a micro model and tiny sizes on the CPU (for tests)")
     a = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -87,13 +90,21 @@ def main(argv=None):
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     attn = resolve_attn("auto")
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
-    if a.grad_ckpt:
-        checkpoint_activations(model)
+    def build(lora_rank=0):
+        torch.manual_seed(0)
+        with torch.device(device):
+            m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
+        if a.grad_ckpt:
+            checkpoint_activations(m)
+        if lora_rank:
+            import mle
+            m = mle.with_adapter(m, SimpleNamespace(lora_rank=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                                    lora_targets=list(mle.TARGETS)))
+        m = shard(m, bf16=cuda, cpu_offload=False)
+        return m, torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-6, betas=(0.9, 0.999),
+                                    weight_decay=0.0)
+    model, opt = build()
     n_params = sum(t.numel() for t in model.parameters())
-    model = shard(model, bf16=cuda, cpu_offload=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
     flags = train_seq.stage_args(train_seq.get_args(["--preset", "qwen3-8b", "--micro-batch", str(a.micro_batch)]), "math")
     eps, adv = episodes(a.prompts, a.group, a.prompt_len, a.completion_len, cfg.vocab_size)
     seq = a.prompt_len + a.completion_len
@@ -106,24 +117,31 @@ def main(argv=None):
         if cuda:
             torch.cuda.synchronize()
 
-    # ---- the training step: one GRPO update on the batch, timed after a warm-up
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    model.train()
-    times = []
-    for s in range(1 + a.steps):
-        sync()
-        t0 = time.time()
-        loss, _ = train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, flags),
-                           micro_batch=flags.micro_batch, agg=flags.agg, grad_clip=flags.grad_clip, extras=dict(adv=adv))
-        sync()
-        if s:
-            times.append(time.time() - t0)
-    dt = sum(times) / len(times)
+    # ---- the training step: one GRPO update on the batch, timed after a warm-up -> (seconds, loss, peak GiB)
+    def timed(model, opt):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        model.train()
+        times = []
+        for s in range(1 + a.steps):
+            sync()
+            t0 = time.time()
+            loss, _ = train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, flags),
+                               micro_batch=flags.micro_batch, agg=flags.agg, grad_clip=flags.grad_clip,
+                               extras=dict(adv=adv))
+            sync()
+            if s:
+                times.append(time.time() - t0)
+        return sum(times) / len(times), loss, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    dt, loss, peak_mem = timed(model, opt)
     train_tok_s = tokens / dt
     tflops = flops / dt / 1e12
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    del opt
+    del model, opt
+    if a.lora:   # the same update on the expert (MFU is not comparable: the frozen weights get no gradient)
+        model, opt = build(a.lora)
+        n_lora = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        lora_dt, _, lora_mem = timed(model, opt)
+        del model, opt
 
     # ---- generation: the hf backend on a bf16 copy (what an FSDP2 rank samples with under --backend hf)
     with torch.device(device):
@@ -150,6 +168,9 @@ def main(argv=None):
     print0(f"| model TFLOP/s | {tflops:.1f} |")
     print0(f"| MFU (vs {PEAK_TFLOPS:.0f} TFLOP/s bf16 dense) | {100 * tflops / PEAK_TFLOPS:.1f}% (target >= 40%) |")
     print0(f"| peak GPU memory, training | {peak_mem:.1f} GiB |")
+    if a.lora:
+        print0(f"| LoRA rank {a.lora} expert ({n_lora / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
+               f"memory | {tokens / lora_dt:,.0f} ({dt / lora_dt:.2f}x full fine-tuning), {lora_mem:.1f} GiB |")
     print0(f"| hf generation: {a.gen_batch} x ({a.gen_prompt_len} prompt + {a.gen_tokens} new) tokens/s "
            f"| {gen_tok / gen_dt:,.0f} |")
     teardown()

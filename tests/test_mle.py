@@ -259,3 +259,32 @@ def test_bad_input_stops_with_one_line_before_anything_is_written(tmp_path, bad,
     r = run([*args, *bad])
     assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_a_router_mix_blend_is_the_weighted_sum_of_the_experts_updates(done, tmp_path):
+    """--router-mix: a blend of 0.52 / 0.49 (rounded to 0.05: one half each) gives the logits of the backbone plus half
+    of each expert's merged update; a near one-hot blend is the expert itself; evaluate.py runs with it."""
+    from peft import PeftModel
+    out, _ = done
+    experts = mle.experts_of(out)
+    blends = mle.Blends(TINY, experts)
+    path = blends({"math": 0.52, "search": 0.49})
+    assert blends({"math": 0.99, "search": 0.01}) == experts["math"] and blends({"math": 0.5, "search": 0.5}) == path
+    base, _ = load_policy(TINY, "cpu")
+    sd0 = {k: v.clone() for k, v in base.state_dict().items()}
+    manual = {k: v.clone() for k, v in sd0.items()}
+    for e in experts.values():
+        m, _ = load_policy(TINY, "cpu")
+        merged = PeftModel.from_pretrained(m, e).merge_and_unload().state_dict()
+        for k in manual:
+            manual[k] += 0.5 * (merged[k] - sd0[k])
+    base.load_state_dict(manual)
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7]])
+    m, _ = load_policy(TINY, "cpu")
+    got = PeftModel.from_pretrained(m, path).eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, base.eval()(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    r = run(["--ckpt", out, "--router", "learned", "--router-mix", "--domains", "math", "--splits", "test", "--n", "2",
+             "--threads", "1", "--out-dir", str(tmp_path)], script="evaluate.py")
+    assert r.returncode == 0 and json.load(open(tmp_path / "mle-learned-mix.json"))["router_mix"], r.stderr[-3000:]
+    r = run(["--ckpt", out, "--router-mix", "--out-dir", str(tmp_path / "x")], script="evaluate.py")
+    assert r.returncode == 2 and "--router learned" in r.stderr and not os.path.exists(tmp_path / "x")

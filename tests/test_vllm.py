@@ -153,6 +153,42 @@ def test_per_request_lora(sharp, engine, adapters):
     assert [g.token_ids for g in plain] == [g.token_ids for g in hf]   # no adapter left switched on
 
 
+def test_an_expert_adapter_that_changes_between_steps_reaches_the_engine(sharp, engine, tmp_path):
+    """mle.py's vLLM push: the live adapter written to its directory and served under a new LoRA id after every
+    update; the engine's sampling log-probs are those of the adapter as it is now, never the cached old one."""
+    import argparse
+    import copy
+
+    import mle
+    model, tok = sharp
+    policy = mle.with_adapter(copy.deepcopy(model), argparse.Namespace(lora_rank=8, lora_alpha=16, lora_dropout=0.0,
+                                                                       lora_targets=list(mle.TARGETS)))
+    chat, live = ChatML(tok), str(tmp_path / "live" / "rank0")
+    prompts = [chat.prompt(t.messages, t.tools) for t in make_env("math").tasks("test", n=4, seed=0)]
+
+    @torch.no_grad()
+    def gap(gens):   # the engine's sampling log-probs against the policy's own, as it is now
+        worst = 0.0
+        for p, g in zip(prompts, gens):
+            logits = policy(torch.tensor([p + g.token_ids])).logits[0, len(p) - 1: -1]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1)
+            worst = max(worst, (lp - torch.tensor(g.logprobs)).abs().max().item())
+        return worst
+    stale, gens = [], None
+    for step in range(3):            # an "update": every lora_B moved, then the push
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                if "lora_B" in n:
+                    p.add_(torch.randn_like(p) * 0.3)
+        if gens:
+            stale.append(gap(gens))  # the previous step's samples under the new weights: they must differ
+        mle.push_lora_dir(engine, policy, live)
+        gens = engine.generate(prompts, 16, 1.0, chat.stop_ids, adapters=[live] * len(prompts))
+        assert gap(gens) < 1e-3, step
+    print("expert push: stale gaps", stale)
+    assert min(stale) > 0.05
+
+
 def test_weight_push_matches_trainer(micro_dir, sharp, engine):
     """Last of the tests on the shared engine (vLLM holds one engine per process): it changes its weights."""
     from transformers import AutoModelForCausalLM
