@@ -58,12 +58,21 @@ $RUN sdft.py --preset "$ARENA" $TRAIN_ARGS
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
 #    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~8 min)
 $RUN mmopd.py --preset "$ARENA" $TRAIN_ARGS
+# 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
+#    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
+#    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~9 min)
+$RUN mle.py --preset "$ARENA" --router learned --export merged $TRAIN_ARGS
 # 7. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
 python analyze.py --runs "$RUNS" --base "$BASE"
-# 8. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge, SDFT, MMOPD; the accuracy
+# 8. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge, SDFT, MMOPD, MLE; the accuracy
 #    matrix with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~29 min: 14 checkpoints x ~2.1 min)
 python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/base" "${STAGES[@]}" \
-    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" | tee "$RUNS/scores.md"
+    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle" | tee "$RUNS/scores.md"
+# 8b. MLE routed by its learned router instead of the task's tag (eval/mle-learned.json), and every consolidator on
+#    the mixed-domain tasks that need search and arithmetic in one episode, which carry no tag (runs/tiny/eval-mixed/)
+python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/mle" --router learned
+[ "$ARENA" != tiny ] || python evaluate.py --suite tiny --mixed --domains search --out-dir "$RUNS/eval-mixed" \
+    --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle" --router learned
 # 9. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
 #    like step 8 (its base row is step 8's), then the accuracy matrices as mean ± std over training seeds
 #    (~17 min a seed)

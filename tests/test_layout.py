@@ -5,7 +5,7 @@ import glob
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = {"train_seq", "evaluate", "merge", "analyze", "sdft", "mmopd", "mle"}
+METHODS = {"train_seq", "evaluate", "merge", "analyze", "sdft", "mmopd", "mle", "report"}
 
 
 def imports(path) -> set:
