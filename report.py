@@ -7,8 +7,8 @@ The criterion, fixed in code before any run: for checkpoint c and domain d, r(c,
 tasks / the d oracle's mean score on the same tasks (same sampling seeds); the balance B(c) = min over d of r(c, d).
 Its spread is a paired bootstrap over tasks: every resample draws each domain's tasks with replacement, once, for all
 checkpoints and the oracle alike (--boot resamples, seed 0). The claim holds when the named checkpoint (--claim, MLE
-by default) has the highest B among --names and the 2.5% quantile of its bootstrap difference to the runner-up is > 0.
---extra names are shown, not competed.
+by default) has the highest B among --names and the 2.5% quantile of its bootstrap difference to the runner-up is > 0;
+it does not hold when another has the highest B; first without that margin is "not shown". --extra: shown, not competed.
 """
 import argparse
 import os
@@ -70,11 +70,10 @@ def balance_table(res: dict, names: list, claim: str, domains=DOMAINS) -> str:
     best, other = ranked[0], ranked[1] if ranked[0] == claim else ranked[0]
     diff = res[claim]["boot"] - res[other]["boot"]
     lo, hi = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    holds = best == claim and lo > 0
+    verdict = "does not hold" if best != claim else "holds" if lo > 0 else "not shown (first, but the interval holds 0)"
     lines.append(f"\n{claim} − {other} (balance, paired bootstrap): {res[claim]['min'] - res[other]['min']:+.2f}, 95% "
-                 f"interval [{lo:+.2f}, {hi:+.2f}]. The claim (the most balanced profile): "
-                 f"**{'holds' if holds else 'does not hold'}** here ({claim} ranks "
-                 f"{ranked.index(claim) + 1} of {len(names)}).")
+                 f"interval [{lo:+.2f}, {hi:+.2f}]. The claim (the most balanced profile): **{verdict}** here ({claim} "
+                 f"ranks {ranked.index(claim) + 1} of {len(names)}).")
     return "\n".join(lines)
 
 

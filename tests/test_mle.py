@@ -288,3 +288,21 @@ def test_a_router_mix_blend_is_the_weighted_sum_of_the_experts_updates(done, tmp
     assert r.returncode == 0 and json.load(open(tmp_path / "mle-learned-mix.json"))["router_mix"], r.stderr[-3000:]
     r = run(["--ckpt", out, "--router-mix", "--out-dir", str(tmp_path / "x")], script="evaluate.py")
     assert r.returncode == 2 and "--router learned" in r.stderr and not os.path.exists(tmp_path / "x")
+
+
+def test_torchrun_two_ranks_train_and_save_an_expert(tmp_path):
+    """Two CPU ranks (gloo): the peft model sharded with FSDP2, each rank sampling with its own unsharded copy of
+    the backbone + adapter, refreshed by the adapter-only push after every update; the expert is saved once."""
+    out = str(tmp_path / "runs" / "mle")
+    args = [x if x != "math,search" else "math" for x in FAST]
+    del args[args.index("--threads"): args.index("--threads") + 2]
+    args[args.index("--steps") + 1] = "2"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(ROOT, "mle.py"), *args, "--out", out], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=ENV1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 process(es)" in r.stdout and "[mle/math] step 2/2" in r.stdout
+    from peft import PeftModel
+    model, _ = load_policy(TINY, "cpu")
+    PeftModel.from_pretrained(model, os.path.join(out, "experts", "math"))
+    assert not os.path.exists(os.path.join(out, "experts", "math.live"))

@@ -39,6 +39,9 @@ def test_ratios_minimum_and_verdict(eval_dir):
     assert 0.02 < res["balanced"]["boot"].std().item() < 0.2
     assert "**holds**" in report.balance_table(res, ["balanced", "lopsided"], "balanced", DOMAINS)
     assert "**does not hold**" in report.balance_table(res, ["balanced", "lopsided"], "lopsided", DOMAINS)
+    record(os.path.join(eval_dir, "near.json"), {"math": [1.0] * 84 + [0.0] * 116, "search": [1.0] * 42 + [0.0] * 158})
+    close = report.balance(eval_dir, ["balanced", "near"], domains=DOMAINS, boots=500)   # 0.84 vs 0.80: within noise
+    assert "**not shown" in report.balance_table(close, ["balanced", "near"], "near", DOMAINS)
 
 
 def test_missing_or_mismatched_records_fail_with_one_line(eval_dir):
