@@ -347,9 +347,10 @@ class Blends:
             return self.experts[next(iter(w))]
         total = sum(w.values())
         key = ",".join(f"{d}={v / total:.3f}" for d, v in sorted(w.items()))
-        if key not in self.made:
+        if key not in self.made:   # (the new adapter's initialisation draws from torch's RNG: not from the sampler's)
             name = f"blend{len(self.made)}"
-            self.model.add_weighted_adapter(list(w), [v / total for v in w.values()], name, combination_type="cat")
+            with torch.random.fork_rng(devices=[]):
+                self.model.add_weighted_adapter(list(w), [v / total for v in w.values()], name, combination_type="cat")
             self.model.save_pretrained(self.dir, selected_adapters=[name])     # -> <dir>/<name>/
             self.model.delete_adapter(name)
             self.made[key] = os.path.join(self.dir, name)

@@ -129,12 +129,13 @@ class HFBackend:
         if path is None:
             return self.model.disable_adapter() if isinstance(self.model, PeftModel) else contextlib.nullcontext()
         names = self.__dict__.setdefault("adapter_names", {})
-        if not isinstance(self.model, PeftModel):
-            names[path] = "expert0"
-            self.model = PeftModel.from_pretrained(self.model, path, adapter_name=names[path]).eval()
-        elif path not in names:
-            names[path] = f"expert{len(names)}"
-            self.model.load_adapter(path, adapter_name=names[path])
+        with torch.random.fork_rng(devices=[]):   # peft initialises a new adapter's weights before it loads them: that
+            if not isinstance(self.model, PeftModel):   # must not move the sampling stream (a rollout seeded before an
+                names[path] = "expert0"                 # adapter's first use would sample otherwise than after it)
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=names[path]).eval()
+            elif path not in names:
+                names[path] = f"expert{len(names)}"
+                self.model.load_adapter(path, adapter_name=names[path])
         return _active_adapter(self.model, names[path])
 
     def sleep(self):

@@ -98,6 +98,23 @@ def test_per_sample_adapters_in_one_batch_equal_each_sample_alone(tiny, tmp_path
     assert after.token_ids == plain[0].token_ids
 
 
+def test_an_adapters_first_use_does_not_move_the_sampling_stream(tiny, tmp_path):
+    """peft draws a new adapter's initial weights from torch's RNG before loading the saved ones: a rollout seeded
+    before an adapter's first use must sample what it samples once the adapter is loaded (found when MLE's learned
+    router had used the IF expert earlier in an evaluation than tag routing had: 46 of 300 IF scores moved)."""
+    model, tok = tiny
+    d = str(tmp_path / "expert")
+    random_expert(model, 3).save_pretrained(d)
+    env = make_env("math")
+    items = [(env, t) for t in env.tasks("test")[:6]]
+    fresh = HFBackend(copy.deepcopy(model), tok)
+    warm = HFBackend(copy.deepcopy(model), tok)
+    warm.generate([[1, 2, 3]], 2, 1.0, [0], adapters=[d])
+    a = rollout(fresh, tok, items, 2, seed=0, max_tokens=200, adapters=[d] * len(items))
+    b = rollout(warm, tok, items, 2, seed=0, max_tokens=200, adapters=[d] * len(items))
+    assert [e.token_ids for e in a] == [e.token_ids for e in b]
+
+
 def test_fsdp2_lora_two_cpu_ranks_match_one_process(tmp_path):
     """One GRPO update of an expert (adapter only, AdamW, k3 KL to the adapter-disabled model) under torchrun with 2
     ranks (FSDP2 over the peft model, gloo) = the same update in one process; the frozen weights do not move."""
