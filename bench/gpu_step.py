@@ -61,7 +61,8 @@ def episodes(n_prompts, group, prompt_len, completion_len, vocab, seed=0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="Qwen/Qwen3-1.7B", choices=sorted(KNOWN_CONFIGS), help="architecture")
+    p.add_argument("--config", default="Qwen/Qwen3-1.7B", help=f"architecture: one of {', '.join(sorted(KNOWN_CONFIGS))}, "
+                   "or a local checkpoint directory (its config.json; e.g. runs/tiny/base for CPU figures)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per update")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -80,9 +81,12 @@ def main(argv=None):
 
     import train_seq
     from envs.rollout import HFBackend
-    cfg = Qwen3Config(**KNOWN_CONFIGS[a.config])
+    if a.config not in KNOWN_CONFIGS and not os.path.isfile(os.path.join(a.config, "config.json")):
+        p.error(f"--config {a.config}: not one of {', '.join(sorted(KNOWN_CONFIGS))} nor a checkpoint directory")
+    known = KNOWN_CONFIGS.get(a.config) or Qwen3Config.from_pretrained(a.config).to_dict()
+    cfg = Qwen3Config(**known)
     if a.smoke:
-        cfg = Qwen3Config(**dict(KNOWN_CONFIGS[a.config], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        cfg = Qwen3Config(**dict(known, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512))
         a.prompts, a.group, a.prompt_len, a.completion_len, a.micro_batch, a.steps = 2, 2, 16, 24, 2, 1
         a.gen_batch, a.gen_prompt_len, a.gen_tokens = 4, 8, 8
