@@ -153,6 +153,30 @@ def test_per_request_lora(sharp, engine, adapters):
     assert [g.token_ids for g in plain] == [g.token_ids for g in hf]   # no adapter left switched on
 
 
+def test_evaluate_routes_an_mle_directory_through_lora_requests(micro_dir, engine, adapters, tmp_path):
+    """evaluate.py on an MLE directory with --backend vllm: each task is sent with its expert's LoRARequest; greedy,
+    the episodes equal the hf backend's routed the same way (peft adapters per sample), and differ without routing."""
+    import json
+    import shutil
+
+    import evaluate
+    import mle
+    d = tmp_path / "runs" / "mle"
+    for domain, a in zip(("math", "search"), adapters):
+        shutil.copytree(a, d / "experts" / domain)
+    with open(d / "acl_meta.json", "w") as f:
+        json.dump(dict(method="mle", format=mle.FORMAT, backbone=micro_dir, domains=["math", "search"]), f)
+    kw = dict(domains=["math", "search"], splits=("test",), n=3, temperature=0.0, gold=False, max_tokens=256,
+              max_turn_tokens=64)
+    eps = {"vllm": {}, "hf": {}, "plain": {}}
+    got = evaluate.evaluate_ckpt(str(d), "tiny", backend_name="vllm", max_lora_rank=8, episodes=eps["vllm"], **kw)
+    evaluate.evaluate_ckpt(str(d), "tiny", backend_name="hf", episodes=eps["hf"], **kw)
+    evaluate.evaluate_ckpt(micro_dir, "tiny", backend_name="hf", episodes=eps["plain"], **kw)
+    assert got["router"] == "tag" and set(got["experts"]) == {"math", "search"}
+    texts = {k: {b: [r["messages"] for r in v[b]] for b in v} for k, v in eps.items()}
+    assert texts["vllm"] == texts["hf"] and texts["vllm"] != texts["plain"]
+
+
 def test_an_expert_adapter_that_changes_between_steps_reaches_the_engine(sharp, engine, tmp_path):
     """mle.py's vLLM push: the live adapter written to its directory and served under a new LoRA id after every
     update; the engine's sampling log-probs are those of the adapter as it is now, never the cached old one."""
