@@ -681,6 +681,39 @@ def _generate(split, n, rng):
     return tasks
 
 
+def _tiny_tasks(split, n, seed):
+    """The tiny arena's tasks of a split, generated once per process and kept on disk per (split, n, seed, this
+    file's source): building 5,000 train tasks takes ~50 s, nearly all of it langdetect verifying each reference
+    answer, and every training script used to pay it at start (twice). The cache lives in $ACLARENA_CACHE (default
+    ~/.cache/aclarena); a file that cannot be read is regenerated, and one that cannot be written is skipped."""
+    key = (split, n, seed)
+    if key not in _TASKS:
+        import hashlib
+        root = os.environ.get("ACLARENA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aclarena")
+        source = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:12]
+        path = os.path.join(root, f"if-tasks-{split}-{n}-{seed}-{source}.json")
+        try:
+            with open(path) as f:
+                tasks = [Task(**t) for t in json.load(f)]
+        except (OSError, ValueError, TypeError):
+            tasks = _generate(split, n, random.Random(f"if:{split}:{seed}"))
+            for i, t in enumerate(tasks):
+                t.id = f"if-{split}-{seed}-{i}"
+            try:
+                os.makedirs(root, exist_ok=True)
+                tmp = f"{path}.tmp-{os.getpid()}"
+                with open(tmp, "w") as f:
+                    json.dump([t.__dict__ for t in tasks], f)
+                os.replace(tmp, path)
+            except OSError:
+                pass
+        _TASKS[key] = tasks
+    return _TASKS[key]
+
+
+_TASKS = {}
+
+
 # ----------------------------------------------------------------------------- the environment
 
 class IFEnv(Env):
@@ -703,10 +736,7 @@ class IFEnv(Env):
             random.Random(seed).shuffle(tasks)
             return tasks[:n]
         n = (5000 if split == "train" else 300) if n is None else n
-        tasks = _generate(split, n, random.Random(f"if:{split}:{seed}"))
-        for i, t in enumerate(tasks):
-            t.id = f"if-{split}-{seed}-{i}"
-        return tasks
+        return list(_tiny_tasks(split, n, seed))
 
     def benchmark(self, name, source=None, n=None):
         """Evaluation prompts: 'ifeval' (google/IFEval) or 'ifbench' (allenai/IFBench_test), or a local copy."""

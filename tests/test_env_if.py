@@ -374,3 +374,31 @@ def test_malformed_task_files(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="no .jsonl/.json/.parquet files"):
         IFEnv().benchmark("ifeval", source=str(tmp_path / "empty"))
+
+
+def test_tiny_tasks_are_cached_on_disk_and_equal_to_a_fresh_generation(tmp_path, monkeypatch):
+    """The tiny train split (5,000 tasks, ~50 s of langdetect) is built once per (split, n, seed, source) and read back
+    by every later process; a corrupt cache file is rebuilt, an unwritable cache directory only costs the time."""
+    import random
+
+    import envs.instruct as instruct
+    monkeypatch.setenv("ACLARENA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(instruct, "_TASKS", {})
+    fresh = instruct._generate("train", 40, random.Random("if:train:7"))
+    for i, t in enumerate(fresh):
+        t.id = f"if-train-7-{i}"
+    assert IFEnv().tasks("train", n=40, seed=7) == fresh
+    (path,) = (tmp_path / "cache").iterdir()
+    monkeypatch.setattr(instruct, "_TASKS", {})                       # a new process: read back, never regenerated
+    monkeypatch.setattr(instruct, "_generate", lambda *a: pytest.fail("regenerated despite the cache"))
+    assert IFEnv().tasks("train", n=40, seed=7) == fresh
+    monkeypatch.undo()
+    monkeypatch.setenv("ACLARENA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(instruct, "_TASKS", {})
+    path.write_text("{not json")
+    assert IFEnv().tasks("train", n=40, seed=7) == fresh and len(json.load(open(path))) == 40
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("ACLARENA_CACHE", str(blocker))               # a file where the directory should be
+    monkeypatch.setattr(instruct, "_TASKS", {})
+    assert IFEnv().tasks("train", n=40, seed=7) == fresh
