@@ -93,6 +93,8 @@ def add_data_flags(p, train: bool = False):
                                                        "--user-url)")
     p.add_argument("--max-user-errors", type=float, default=0.25, help="ecommerce: stop a run when more than this "
                    "fraction of one batch's episodes end in a user-model error (their reward would be 0)")
+    p.add_argument("--env-workers", type=int, default=16, help="search with --retriever-url, ecommerce with --user-url: "
+                   "episodes whose tool or user calls run at once (threads) within a turn")
     p.add_argument("--user-key-env", default=None, help="ecommerce: the environment variable holding the user "
                    "endpoint's API key (e.g. OPENAI_API_KEY); no key is sent unless one is named")
 
@@ -128,9 +130,13 @@ def env_options(a) -> dict:
         raise UsageError("--max-user-errors is a fraction in [0, 1]")
     if a.user_url and not a.user_model:
         raise UsageError("--user-url needs --user-model, the model name that endpoint serves (e.g. Qwen/Qwen3-32B)")
+    if getattr(a, "env_workers", 1) < 1:
+        raise UsageError("--env-workers must be >= 1")
+    workers = getattr(a, "env_workers", None)
     opts = dict(math=dict(data=getattr(a, "math_data", None)),
-                search=dict(data=a.search_data, corpus=a.search_corpus, retriever_url=a.retriever_url),
+                search=dict(data=a.search_data, corpus=a.search_corpus, retriever_url=a.retriever_url,
+                            workers=workers if a.retriever_url else None),
                 ecommerce=dict(data=a.tau_data, user_url=a.user_url, user_model=a.user_model,
-                               user_api_key_env=a.user_key_env),
+                               user_api_key_env=a.user_key_env, workers=workers if a.user_url else None),
                 **{"if": dict(data=getattr(a, "if_data", None))})
     return {d: {k: v for k, v in o.items() if v is not None} for d, o in opts.items()}

@@ -865,11 +865,12 @@ class EcommerceEnv(Env):
     user_model, user_api_key_env, user_timeout: the user model's name, the environment variable that holds
         its API key (None: no key is sent; a key goes only where it is named, and a warning is printed when it
         would travel over plain http to another machine), and the HTTP timeout in seconds.
-    max_turns: assistant turns per episode (default 10 tiny, 30 full, as tau-bench's 30 steps)."""
+    max_turns: assistant turns per episode (default 10 tiny, 30 full, as tau-bench's 30 steps).
+    workers: with user_url, how many episodes' resets and turns the rollout loop runs at once (threads)."""
     domain = "ecommerce"
 
     def __init__(self, data=None, user_url=None, user_model="gpt-4o", user_api_key_env=None,
-                 user_timeout=60.0, max_turns=None):
+                 user_timeout=60.0, max_turns=None, workers=1):
         if data is not None and not user_url:
             raise UsageError("real e-commerce data needs an LLM user: pass user_url (an OpenAI-compatible endpoint)")
         if user_api_key_env and not os.environ.get(user_api_key_env):
@@ -881,6 +882,7 @@ class EcommerceEnv(Env):
                 print(f"warning: the key in {user_api_key_env} goes to {u.hostname} over plain http", file=sys.stderr)
         self.data, self.user_url, self.user_model = data, user_url, user_model
         self.user_api_key_env, self.user_timeout = user_api_key_env, user_timeout
+        self.workers = max(1, workers) if user_url else 1   # episodes' user turns at once (the rollout loop's env_calls)
         self.max_turns = max_turns or (10 if data is None else 30)
         self.db, self.policy = load_store(data) if data is not None else (None, None)
         self._gold_hash = {}  # task id -> hash, so the real store is replayed once per task

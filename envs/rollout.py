@@ -465,6 +465,17 @@ def check_user_errors(episodes, max_fraction: float, where: str):
                            f"--max-user-errors {max_fraction:g}): the user model at --user-url is failing")
 
 
+def env_calls(calls, workers: int = 1) -> list:
+    """[(fn, args), ...] -> [fn(*args), ...] in order: one after another, or with workers > 1 on a thread pool of that
+    size (an environment that waits on an outside service, the retriever or the LLM user, sets `workers`), so that a
+    turn of 64 episodes waits about one call's latency, not 64. Each call touches its own episode's state only."""
+    if workers <= 1 or len(calls) <= 1:
+        return [fn(*args) for fn, args in calls]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(min(workers, len(calls))) as pool:
+        return list(pool.map(lambda c: c[0](*c[1]), calls))
+
+
 def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, max_turns: int | None = None,
             max_tokens: int = MAX_TOKENS, max_turn_tokens: int = MAX_TURN_TOKENS, seed: int | None = None, adapters=None):
     """Roll out every (env, task) in `items` n_samples times; returns Episodes in items x samples order.
@@ -476,22 +487,23 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
     if seed is not None:
         torch.manual_seed(seed)
     chat = ChatML(tok)
+    workers = max([getattr(env, "workers", 1) for env, _ in items], default=1)
     everything = []
-    for j, (env, task) in enumerate(items):
-        for k in range(n_samples):
-            state = env.reset(task)
-            ids = chat.prompt(state.messages, task.tools)
-            ep = Episode(task.id, task.env, task.split, k, list(ids), [0] * len(ids), [0.0] * len(ids), len(ids))
-            ep.adapter = adapters[j] if adapters else None
-            everything.append((env, state, ep))
-            if len(ids) >= max_tokens:  # no room to answer at all
-                state.done = state.truncated = True
+    starts = [(j, env, task, k) for j, (env, task) in enumerate(items) for k in range(n_samples)]
+    states = env_calls([(env.reset, (task,)) for _, env, task, _ in starts], workers)
+    for (j, env, task, k), state in zip(starts, states):
+        ids = chat.prompt(state.messages, task.tools)
+        ep = Episode(task.id, task.env, task.split, k, list(ids), [0] * len(ids), [0.0] * len(ids), len(ids))
+        ep.adapter = adapters[j] if adapters else None
+        everything.append((env, state, ep))
+        if len(ids) >= max_tokens:  # no room to answer at all
+            state.done = state.truncated = True
     live = [x for x in everything if not x[1].done]
     while live:
         budget = min(max_turn_tokens, max(max_tokens - len(ep.token_ids) for _, _, ep in live))
         kw = dict(adapters=[ep.adapter for _, _, ep in live]) if adapters else {}
         gens = backend.generate([ep.token_ids for _, _, ep in live], budget, temperature, chat.stop_ids, **kw)
-        still = []
+        stepped = []
         for (env, state, ep), g in zip(live, gens):
             room = max_tokens - len(ep.token_ids)
             toks, lps, stopped = g.token_ids[:room], g.logprobs[:room], g.stopped and len(g.token_ids) <= room
@@ -505,7 +517,11 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
                 state.turns += 1
                 state.done = state.truncated = True
                 continue
-            obs = env.step(state, text)
+            stepped.append((env, state, ep, text, ended_eos))
+        # the environments answer every episode's turn: at once where they wait on an outside service
+        answers = env_calls([(env.step, (state, text)) for env, state, _, text, _ in stepped], workers)
+        still = []
+        for (env, state, ep, _, ended_eos), obs in zip(stepped, answers):
             tail = chat.close(ended_eos)
             ep.token_ids += tail
             ep.loss_mask += [0] * len(tail)

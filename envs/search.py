@@ -306,13 +306,14 @@ class SearchEnv(Env):
 
     def __init__(self, topk: int | None = None, max_turns: int | None = None, corpus: str | None = None,
                  retriever_url: str | None = None, data: str | None = None, seed: int = 0,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, workers: int = 1):
         if topk is not None and topk < 1:
             raise UsageError(f"topk must be >= 1, got {topk}")
         if corpus and retriever_url:
             raise UsageError("give either corpus or retriever_url, not both")
         self.seed, self.timeout = seed, timeout
         self.data, self.retriever_url = data, retriever_url
+        self.workers = max(1, workers) if retriever_url else 1   # concurrent steps only where they wait on the server
         self.full = bool(data or corpus or retriever_url)
         # Top-3 at full scale (Search-R1); top-1 in the tiny world, where a name's own passage always ranks
         # first and the two others are look-alikes (shared name parts): 1.5% vs 0% EM in a search-only base.

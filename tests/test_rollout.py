@@ -126,3 +126,41 @@ def test_hf_backend_greedy_matches_transformers_generate(micro):
         assert g.token_ids == want[: len(g.token_ids)] and len(g.token_ids) == len(want)
         assert g.stopped == (want[-1] in stop)
     assert gens[0].token_ids == gens[2].token_ids
+
+
+def test_environment_calls_of_one_turn_run_at_once_against_a_slow_service(micro):
+    """A search env backed by a slow retrieval server (0.3 s a call): with workers, a turn of 16 episodes waits about
+    one call, not sixteen; the episodes, their order and their rewards are those of the one-at-a-time loop."""
+    import time
+
+    from fake_http import JSONServer
+
+    from envs import env_options
+    from envs.search import SEARCH_TOOL, SearchEnv
+    _, tok = micro
+    latency = 0.3
+
+    def slow(path, headers, body):
+        time.sleep(latency)
+        q = body["queries"][0]
+        return 200, {"result": [[{"document": {"contents": f'"{q}"\\nborn in Brimsk.'}, "score": 1.0}]]}
+    tasks = [Task(f"s{i}", "search", "test", [{"role": "user", "content": f"Where was P{i} born?"}], tools=[SEARCH_TOOL],
+                  gold={"answers": ["Brimsk"]}) for i in range(16)]
+    turns = [tool_call_text("search", {"query": "P"}), "<answer>Brimsk</answer><|im_end|>"]
+    with JSONServer(slow) as server:
+        runs = {}
+        for workers in (1, 16):
+            env = SearchEnv(retriever_url=server.url + "/retrieve", workers=workers)
+            t0 = time.time()
+            eps = rollout(ScriptedBackend(tok, turns), tok, [(env, t) for t in tasks], n_samples=1)
+            runs[workers] = (time.time() - t0, eps)
+    (slow_s, one), (fast_s, many) = runs[1], runs[16]
+    assert slow_s >= 16 * latency and fast_s < 3 * latency, (slow_s, fast_s)
+    assert [(e.task_id, e.token_ids, e.reward) for e in one] == [(e.task_id, e.token_ids, e.reward) for e in many]
+    assert all(e.reward == 1.0 and e.metrics["searches"] == 1 for e in many)
+    assert SearchEnv().workers == 1                                   # the in-process worlds stay serial
+    import argparse
+    a = argparse.Namespace(math_data=None, if_data=None, search_data=None, search_corpus=None,
+                           retriever_url="http://x/retrieve", tau_data=None, user_url=None, user_model=None,
+                           user_key_env=None, max_user_errors=0.25, env_workers=8)
+    assert env_options(a)["search"]["workers"] == 8 and "workers" not in env_options(a)["ecommerce"]
