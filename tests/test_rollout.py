@@ -164,3 +164,42 @@ def test_environment_calls_of_one_turn_run_at_once_against_a_slow_service(micro)
                            retriever_url="http://x/retrieve", tau_data=None, user_url=None, user_model=None,
                            user_key_env=None, max_user_errors=0.25, env_workers=8)
     assert env_options(a)["search"]["workers"] == 8 and "workers" not in env_options(a)["ecommerce"]
+
+
+class Watched(HFBackend):
+    """HFBackend that records, after each call, its prompts and how many caches it keeps."""
+
+    def generate(self, prompts, *a, **kw):
+        out = super().generate(prompts, *a, **kw)
+        self.__dict__.setdefault("sizes", []).append((len(prompts), sum(len(v) for k in self.kept.values()
+                                                                          for v in k.values())))
+        return out
+
+
+def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed():
+    """Multi-turn episodes continue on their kept KV cache: greedy rollouts on every domain (the tiny base) are the
+    re-prefill path's token for token, with the same masks and rewards; sampled ones have the same log-probs within
+    float tolerance; no cache outlives its rollout, and within one the kept ones are at most one call's rows."""
+    import os
+
+    from common import load_policy
+    from envs import DOMAINS, make_env
+    model, tok = load_policy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                                          "tiny-base"), "cpu")
+    model.eval()
+    for d in DOMAINS:
+        env = make_env(d)
+        items = [(env, t) for t in env.tasks("test", n=4, seed=0)]
+        plain = rollout(HFBackend(model, tok, reuse_kv=False), tok, items, 2, temperature=0.0, seed=0)
+        backend = Watched(model, tok)
+        kept = rollout(backend, tok, items, 2, temperature=0.0, seed=0)
+        sizes = backend.sizes
+        assert [(e.token_ids, e.loss_mask, e.reward) for e in kept] == [(e.token_ids, e.loss_mask, e.reward) for e in plain], d
+        assert backend.kept == {} and all(n_kept <= n for n, n_kept in sizes), (d, sizes)
+        if d == "ecommerce":
+            assert max(e.turns for e in kept) > 2 and len(sizes) > 2      # multi-turn: later calls started on caches
+            sampled = rollout(HFBackend(model, tok), tok, items, 1, seed=1)
+            again = rollout(HFBackend(model, tok, reuse_kv=False), tok, items, 1, seed=1)
+            for x, y in zip(sampled, again):
+                if x.token_ids == y.token_ids:
+                    torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
