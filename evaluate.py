@@ -101,7 +101,8 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
         if mixed:
             from envs.mixed import MixedEnv
             env = MixedEnv()
-            out.update({f"mixed/{split}": (env, env.tasks(split, n=n, seed=0)) for split in splits if split in ("test", "ood")})
+            for split in [x for x in splits if x in ("test", "ood")]:
+                out[f"mixed/{split}"] = (env, env.tasks(split, n=n, seed=0))
     else:
         names = list(benchmarks) if benchmarks else [b for b, d in FULL_BENCHMARKS.items() if d in domains]
         unknown = [b for b in list(names) + list(sources) if b not in FULL_BENCHMARKS]
@@ -265,7 +266,8 @@ def routed_gold(backend, tok, env, items, adapters, ctx):
                   for tid, ll, t1 in zip(g["task_ids"], g["per_task_loglik"], g["per_task_top1"]))
     n = sum(g["n"] for g in parts)
     return {"loglik": statistics.mean(r[2] for r in rows), "top1": statistics.mean(r[3] for r in rows), "n": n,
-            "tokens": sum(g["tokens"] for g in parts), "expert_reward": sum(g["expert_reward"] * g["n"] for g in parts) / n,
+            "tokens": sum(g["tokens"] for g in parts),
+            "expert_reward": sum(g["expert_reward"] * g["n"] for g in parts) / n,
             "task_ids": [r[1] for r in rows], "per_task_loglik": [r[2] for r in rows], "per_task_top1": [r[3] for r in rows]}
 
 

@@ -32,6 +32,7 @@ Differences from the paper and the released code:
 import argparse
 import functools
 import os
+import shutil
 import sys
 import time
 
@@ -71,11 +72,12 @@ from train_seq import add_grpo_flags, check_grpo_flags, grpo, stage_args
 from train_seq import recipe as grpo_recipe
 from train_step import add_scale_flags, add_step_flags, check_shared_flags
 
-PRESETS = {
-    "tiny": dict(arch="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16", prompts="math=16,search=16,ecommerce=4,if=16", group=8,
-                 lr="2e-3", kl_coef="0.01", loss="grpo", max_gen_rounds=2),
-    "qwen3-8b": dict(arch="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128, group=8, lr="1e-5",
-                     kl_coef="0.01", loss="gspo", max_gen_rounds=3),
+PRESETS = {   # arch: the backbone's architecture for --dry-run before the SDFT backbone exists
+    "tiny": dict(arch="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
+                 prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr="2e-3", kl_coef="0.01", loss="grpo",
+                 max_gen_rounds=2),
+    "qwen3-8b": dict(arch="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128, group=8,
+                     lr="1e-5", kl_coef="0.01", loss="gspo", max_gen_rounds=3),
 }
 TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
@@ -126,7 +128,7 @@ class AdapterOff(torch.nn.Module):
 def adapter_params(model):
     """(name, full tensor) of the adapter's weights only, one at a time (all-gathered under FSDP2: every rank
     iterates in step): the weight push and the saved expert never carry the backbone."""
-    return ((n, t) for n, t in full_params(model, trainable_only=True))
+    return full_params(model, trainable_only=True)
 
 
 def save_adapter(model, out: str, meta: dict):
@@ -209,6 +211,7 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
         for path in (resume_path, resume_recipe):
             if os.path.exists(path):
                 os.remove(path)
+        shutil.rmtree(out + ".live", ignore_errors=True)        # the vLLM push's adapter copies, made by this run
         print0(f"[{name}] saved {out} ({read_meta(out)['adapter_bytes'] / 2**20:.2f} MiB) in {time.time() - t0:.0f}s")
     return read_meta(out) if rank() == 0 else meta
 
