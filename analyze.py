@@ -299,10 +299,10 @@ def plot_consistency(tok: dict, path):
 
 def default_ckpts(runs: str) -> list:
     """The tiny arena's checkpoints that exist: sequential stages (with their -rft cold starts), oracles, merges,
-    and the SDFT and MMOPD consolidators."""
+    the SDFT and MMOPD consolidators, and MLE's experts merged into full checkpoints (mle.py --export merged)."""
     out = sorted(glob.glob(os.path.join(runs, "seq", "[0-9]-*")))
     out += sorted(glob.glob(os.path.join(runs, "oracle", "*"))) + sorted(glob.glob(os.path.join(runs, "merge", "*")))
-    out += [os.path.join(runs, m) for m in ("sdft", "mmopd")]
+    out += [os.path.join(runs, m) for m in ("sdft", "mmopd")] + sorted(glob.glob(os.path.join(runs, "mle-merged", "*")))
     return [p for p in out if is_checkpoint(p)]
 
 

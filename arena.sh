@@ -45,7 +45,7 @@ t seq $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS
 t oracles $RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
-t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-* "$RUNS"/oracle/* --out "$RUNS/analysis/seq"
+t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ --out "$RUNS/analysis/seq"
 # 5. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
 #    ways; grid and balanced score candidates on each domain's val tasks of the tiny worlds, so they run in
 #    the tiny arena only

@@ -130,14 +130,15 @@ class HFBackend:
             mine = list(range(len(prompts))) if adapters is None else [i for i in range(len(prompts)) if adapters[i] == adapter]
             # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
             order = sorted(mine, key=lambda i: (len(prompts[i]), prompts[i]))
-            mine_kept, self.kept[adapter] = kept.get(adapter, {}), {}
+            slot = "<as is>" if adapters is None else adapter    # the live adapter and "no adapter" never share caches
+            mine_kept, self.kept[slot] = kept.get(slot, {}), {}
             with contextlib.nullcontext() if adapters is None else self.with_adapter(adapter):
                 for s in range(0, len(order), self.max_batch):
                     idx = order[s: s + self.max_batch]
                     batch = [prompts[i] for i in idx]
                     found = [_prefix(mine_kept, p) for p in batch] if self.reuse_kv else [None]
                     for i, g in zip(idx, self._generate_batch(batch, max_new_tokens, temperature, stop_ids,
-                                                              found if all(found) else None, self.kept[adapter])):
+                                                              found if all(found) else None, self.kept[slot])):
                         out[i] = g
                     bar.update(len(idx))
         bar.close()
