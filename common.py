@@ -60,6 +60,18 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(joined, namespace)
 
 
+def preset_parser(presets: dict, doc: str, argv=None) -> tuple:
+    """A training script's parser, --preset first (its value picks every other flag's default), then --runs.
+    -> (parser, preset name, that preset's defaults)."""
+    pre = Parser(add_help=False)
+    pre.add_argument("--preset", default="tiny", choices=sorted(presets))
+    name = pre.parse_known_args(argv)[0].preset
+    p = Parser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(presets), help="defaults for every flag below")
+    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    return p, name, presets[name]
+
+
 def check_output(path: str, kind: str, inputs=(), overwrite: bool = False, flag: str = "--out") -> str:
     """The one rule for where a script writes a checkpoint of `kind` (acl_meta.json's "method"): the target may be
     replaced only if it is a checkpoint of that kind that this project wrote and `overwrite` is set (a script's

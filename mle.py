@@ -29,7 +29,6 @@ Differences from the paper and the released code:
 2. The tiny preset's steps and prompts are train_seq.py's; its LoRA learning rate is 10x the full fine-tuning one
    (2e-3 vs 2e-4), fixed before any run.
 """
-import argparse
 import functools
 import os
 import shutil
@@ -40,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from common import (
-    Parser,
     UsageError,
     check_output,
     check_run_files,
@@ -49,6 +47,7 @@ from common import (
     is_checkpoint,
     load_policy,
     mark_diverged,
+    preset_parser,
     print0,
     rank,
     read_meta,
@@ -125,16 +124,11 @@ class AdapterOff(torch.nn.Module):
             return self.inner[0](**kw)
 
 
-def adapter_params(model):
-    """(name, full tensor) of the adapter's weights only, one at a time (all-gathered under FSDP2: every rank
-    iterates in step): the weight push and the saved expert never carry the backbone."""
-    return full_params(model, trainable_only=True)
-
-
 def save_adapter(model, out: str, meta: dict):
     """The adapter as a standard peft directory (adapter_config.json, adapter_model.safetensors) plus acl_meta.json,
-    written atomically. Every rank calls it (the gather is a collective); rank 0 writes."""
-    sd = dict(adapter_params(model))
+    written atomically; the adapter's weights only, never the backbone. Every rank calls it (each weight is
+    all-gathered under FSDP2); rank 0 writes."""
+    sd = dict(full_params(model, trainable_only=True))
     if rank() == 0:
         def write(tmp):
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
@@ -162,7 +156,7 @@ def expert_backend(a, tok, policy, device, live: str):
     engine = with_adapter(engine, a).eval()
 
     def push(backend, policy):
-        backend.load_weights(adapter_params(policy))
+        backend.load_weights(full_params(policy, trainable_only=True))   # the adapter only
     backend = HFBackend(engine, tok, a.gen_batch)
     push(backend, policy)
     return backend, push, None
@@ -171,7 +165,7 @@ def expert_backend(a, tok, policy, device, live: str):
 def push_lora_dir(backend, policy, path: str):
     """The vLLM weight push of an expert: its adapter written to the directory `path` (the adapter only: a few MiB
     at 8B), then served under a new LoRA id (VLLMBackend.refresh_lora), so the next rollouts sample the update."""
-    policy.save_pretrained(path, state_dict=dict(adapter_params(policy)), safe_serialization=True)
+    policy.save_pretrained(path, state_dict=dict(full_params(policy, trainable_only=True)), safe_serialization=True)
     backend.refresh_lora(path)
 
 
@@ -407,13 +401,7 @@ def export_merged(a):
 # ----------------------------------------------------------------------------- command line
 
 def get_args(argv=None):
-    pre = Parser(add_help=False)
-    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    name = pre.parse_known_args(argv)[0].preset
-    preset = PRESETS[name]
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
-    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    p, name, preset = preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--backbone", default=None, help="frozen backbone checkpoint (default <runs>/sdft)")
     p.add_argument("--domains", default=",".join(DOMAINS), help="the experts, trained in this order")
     p.add_argument("--out", default=None, help="MLE directory (default <runs>/mle)")
@@ -444,9 +432,9 @@ def check_args(a):
     check_grpo_flags(a, a.domains)
     a.lora_targets = [t.strip() for t in a.lora_targets.split(",") if t.strip()]
     bad = [t for t in a.lora_targets if t not in TARGETS]
-    for ok, msg in [(a.lora_rank >= 1, "--lora-rank must be >= 1"),
-                    (a.router_prompts >= 1 and a.router_steps >= 1, "need --router-prompts >= 1, --router-steps >= 1"), (a.lora_alpha > 0, "--lora-alpha must be > 0"),
+    for ok, msg in [(a.lora_rank >= 1, "--lora-rank must be >= 1"), (a.lora_alpha > 0, "--lora-alpha must be > 0"),
                     (0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+                    (a.router_prompts >= 1 and a.router_steps >= 1, "need --router-prompts >= 1, --router-steps >= 1"),
                     (a.lora_targets and not bad, f"--lora-targets: unknown {', '.join(bad)} (of {', '.join(TARGETS)})")]:
         if not ok:
             raise UsageError(msg)

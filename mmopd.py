@@ -29,7 +29,6 @@ Differences from the paper and the released code:
 2. The student's entropy in the log is the Monte-Carlo estimate -mean log pi(y_t) over its own samples (the
    teacher's is exact).
 """
-import argparse
 import os
 import sys
 import time
@@ -38,7 +37,6 @@ import torch
 
 from common import (
     Metrics,
-    Parser,
     UsageError,
     all_reduce_sum,
     check_output,
@@ -50,6 +48,7 @@ from common import (
     load_policy,
     load_train_state,
     mark_diverged,
+    preset_parser,
     print0,
     rank,
     read_meta,
@@ -142,13 +141,7 @@ def fkl_coef_at(a, step: int) -> float:
 # ----------------------------------------------------------------------------- command line
 
 def get_args(argv=None):
-    pre = Parser(add_help=False)
-    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    name = pre.parse_known_args(argv)[0].preset
-    preset = PRESETS[name]
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
-    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    p, name, preset = preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--domains", default=",".join(DOMAINS), help="domains, in the sequential run's curriculum order")
     p.add_argument("--student", default=None, help="starting checkpoint (default Seq-Final: <runs>/seq/<n>-<last>)")
     p.add_argument("--teachers", default="seq", help="seq (the stage that learned each domain, <runs>/seq/<i>-<d>), "

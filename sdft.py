@@ -37,7 +37,6 @@ Differences from the paper and the released code:
 2. Near-dedup defaults to a 0.9 Jaccard threshold; the released code keeps exact-distinct traces (1.0).
 3. The tiny preset samples fewer prompts per domain (e-commerce episodes cost ~30x a math one on a CPU).
 """
-import argparse
 import hashlib
 import json
 import math
@@ -52,7 +51,6 @@ import torch.distributed as dist
 
 from common import (
     Metrics,
-    Parser,
     UsageError,
     all_reduce_max,
     all_reduce_sum,
@@ -65,6 +63,7 @@ from common import (
     load_policy,
     load_train_state,
     mark_diverged,
+    preset_parser,
     print0,
     rank,
     read_meta,
@@ -310,13 +309,7 @@ def lr_at(a, step: int, steps: int) -> float:
 # ----------------------------------------------------------------------------- command line
 
 def get_args(argv=None):
-    pre = Parser(add_help=False)
-    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    name = pre.parse_known_args(argv)[0].preset
-    preset = PRESETS[name]
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
-    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
+    p, name, preset = preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--domains", default=",".join(DOMAINS), help="domains, in curriculum order (staged follows it)")
     p.add_argument("--oracles", default=None, help="domain=DIR,... (default <runs>/oracle/<domain>)")
     p.add_argument("--pool", default=None, metavar="DIR", help="train on this pool instead of collecting one")

@@ -45,7 +45,6 @@ import torch
 
 from common import (
     Metrics,
-    Parser,
     all_reduce_sum,
     check_run_files,
     check_writable,
@@ -56,6 +55,7 @@ from common import (
     load_policy,
     load_train_state,
     mark_diverged,
+    preset_parser,
     print0,
     rank,
     read_meta,
@@ -440,14 +440,8 @@ def check_grpo_flags(a, domains: list):
 
 
 def get_args(argv=None):
-    pre = Parser(add_help=False)
-    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    name = pre.parse_known_args(argv)[0].preset
-    preset = PRESETS[name]
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="defaults for every flag below")
+    p, name, preset = preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
-    p.add_argument("--runs", default=None, help="run directory (default runs/<preset>)")
     p.add_argument("--curriculum", default="math,search,ecommerce,if", help="domains in training order")
     p.add_argument("--oracle", action="store_true", help="train each curriculum domain alone from --init "
                                                           "-> runs/<preset>/oracle/<domain>")

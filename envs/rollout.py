@@ -106,6 +106,7 @@ class HFBackend:
     def __init__(self, model, tokenizer, max_batch: int = 64, reuse_kv: bool = True):
         self.model, self.tok, self.max_batch, self.reuse_kv = model, tokenizer, max_batch, reuse_kv
         self.kept = {}      # adapter -> {prefix length: {prefix tokens: per layer (keys, values), (heads, T, d)}}
+        self.adapter_names = {}   # adapter directory -> its peft name (with_adapter)
 
     def forget(self):
         self.kept = {}
@@ -151,7 +152,7 @@ class HFBackend:
         from peft import PeftModel
         if path is None:
             return self.model.disable_adapter() if isinstance(self.model, PeftModel) else contextlib.nullcontext()
-        names = self.__dict__.setdefault("adapter_names", {})
+        names = self.adapter_names
         with torch.random.fork_rng(devices=[]):   # peft initialises a new adapter's weights before it loads them: that
             if not isinstance(self.model, PeftModel):   # must not move the sampling stream (a rollout seeded before an
                 names[path] = "expert0"                 # adapter's first use would sample otherwise than after it)

@@ -36,6 +36,20 @@ def episodes(n: int = 8):
     return out
 
 
+def one_and_two_ranks(tmp_path, micro_one: str, micro_two: str, *mode) -> tuple:
+    """Run this script alone (micro-batch micro_one) and under torchrun with 2 CPU ranks (micro_two), with the same
+    extra arguments (agg, "uneven" or "lora"); -> what each wrote (the tests compare them)."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    root, script = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.abspath(__file__)
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    subprocess.run([sys.executable, script, one, micro_one, *mode], check=True, cwd=root, env=env, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                        two, micro_two, *mode], cwd=root, env=env, timeout=180, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(one), torch.load(two)
+
+
 def main():
     init_dist()
     torch.manual_seed(0)

@@ -118,13 +118,8 @@ def test_an_adapters_first_use_does_not_move_the_sampling_stream(tiny, tmp_path)
 def test_fsdp2_lora_two_cpu_ranks_match_one_process(tmp_path):
     """One GRPO update of an expert (adapter only, AdamW, k3 KL to the adapter-disabled model) under torchrun with 2
     ranks (FSDP2 over the peft model, gloo) = the same update in one process; the frozen weights do not move."""
-    script = os.path.join(ROOT, "tests", "dist_grpo.py")
-    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    subprocess.run([sys.executable, script, one, "3", "token", "lora"], check=True, cwd=ROOT, env=ENV1, timeout=120)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
-                        two, "2", "token", "lora"], cwd=ROOT, env=ENV1, timeout=180, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = torch.load(one), torch.load(two)
+    import dist_grpo
+    a, b = dist_grpo.one_and_two_ranks(tmp_path, "3", "2", "token", "lora")
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     assert any("lora_A" in k for k in a["state"])
     for k in a["state"]:

@@ -4,7 +4,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -155,14 +154,7 @@ def test_nonfinite_gradient_stops_before_the_weights_change():
 def test_episode_logprobs_with_uneven_ranks_under_torchrun(tmp_path):
     """Two CPU ranks holding 7 and 1 episodes: episode_logprobs and train_on pad the passes of the smaller rank
     (it hung before), and the log-probs and the update equal one process's on all 8."""
-    script = os.path.join(ROOT, "tests", "dist_grpo.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    subprocess.run([sys.executable, script, one, "2", "token", "uneven"], check=True, cwd=ROOT, env=env, timeout=120)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
-                        two, "2", "token", "uneven"], cwd=ROOT, env=env, timeout=180, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = torch.load(one), torch.load(two)
+    a, b = dist_grpo.one_and_two_ranks(tmp_path, "2", "2", "token", "uneven")
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     for x, y in zip(a["logprobs"], b["logprobs"]):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
