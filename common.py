@@ -139,14 +139,18 @@ def sharded() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_dist():
-    """-> torch.device for this rank. Starts the process group under torchrun (NCCL on GPU, gloo on CPU)."""
+def init_dist(timeout_minutes: float | None = None):
+    """-> torch.device for this rank. Starts the process group under torchrun (NCCL on GPU, gloo on CPU), with a
+    timeout for every collective of `timeout_minutes` (--dist-timeout; torch's default is 10 minutes for NCCL, which
+    an 8B evaluation on rank 0 outlasts while the other ranks wait at a barrier)."""
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        import datetime
+        kw = {"timeout": datetime.timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
+        dist.init_process_group("nccl" if cuda else "gloo", **kw)
     return device
 
 
@@ -265,19 +269,20 @@ def is_checkpoint(path: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- a run's own files
-# Beside a checkpoint directory OUT that a run is making: .resume-OUT.pt (the state to resume from), .resume-OUT.json
-# (the recipe that made it, written first) and .diverged-OUT.json (a run that stopped on non-finite numbers).
+# Beside a checkpoint directory OUT that a run is making: .resume-OUT/ (the state to resume from, a
+# torch.distributed.checkpoint directory), .resume-OUT.json (the recipe that made it, written first) and
+# .diverged-OUT.json (a run that stopped on non-finite numbers).
 
 def run_files(out: str) -> tuple:
     """(resume state, its recipe, divergence marker) of the checkpoint directory `out`."""
     d, b = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
-    state = os.path.join(d, f".resume-{b}.pt")
+    state = os.path.join(d, f".resume-{b}")
     return state, recipe_file(state), os.path.join(d, f".diverged-{b}.json")
 
 
 def recipe_file(state: str) -> str:
-    """Where the recipe of the resume state `state` is kept: .resume-OUT.pt -> .resume-OUT.json."""
-    return (state[: -len(".pt")] if state.endswith(".pt") else state) + ".json"
+    """Where the recipe of the resume state `state` is kept: .resume-OUT -> .resume-OUT.json."""
+    return state + ".json"
 
 
 def check_run_files(out: str, recipe: dict, also=(), replace: bool = False):
@@ -295,7 +300,7 @@ def check_run_files(out: str, recipe: dict, also=(), replace: bool = False):
         if meta and meta.get("recipe") != recipe:
             raise UsageError(f"{path} was made with another recipe or from another parent; use another --runs or "
                              f"delete it")
-    if os.path.isfile(state):
+    if os.path.isdir(state):
         saved = json.load(open(state_recipe)) if os.path.isfile(state_recipe) else None
         if saved != recipe:
             raise UsageError(f"{state} was saved by a run with another recipe or parent; use another --runs or "
@@ -314,7 +319,7 @@ def remove_leftovers(outs: list, *dirs):
     paths = []
     for out in outs:
         d, b = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
-        paths += glob.glob(os.path.join(d, f".tmp-{b}-*")) + glob.glob(os.path.join(d, f".resume-{b}.*.tmp-*")) + \
+        paths += glob.glob(os.path.join(d, f".tmp-{b}-*")) + glob.glob(os.path.join(d, f".resume-{b}.*tmp-*")) + \
             glob.glob(os.path.join(d, f"{b}.metrics.jsonl.tmp-*"))
     for d in dirs:
         paths += glob.glob(os.path.join(d, "*.tmp-*"))
@@ -348,40 +353,95 @@ class Metrics:
                 f.write(json.dumps(dict(row, time=round(time.time(), 1)), default=float) + "\n")
 
 
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (the object itself when not distributed)."""
+    if not sharded():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier():
+    if sharded():
+        dist.barrier()
+
+
 def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = None):
-    """Everything needed to resume training beside the checkpoint: the model and optimizer state (full,
-    gathered to rank 0 under FSDP2; only the trainable weights when some are frozen), the RNG states and `extra`
-    (step, data cursor, ...), and first `recipe`
-    (check_run_files compares it). Atomic: written to a temporary file, then renamed. Every rank must call it."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd, osd = get_state_dict(model, opt, options=opts)
-    if any(not p.requires_grad for p in model.parameters()):   # frozen weights (a LoRA run's backbone) never change:
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}   # only what trains is saved
+    """Everything needed to resume training beside the checkpoint, as a torch.distributed.checkpoint directory: every
+    rank writes its own shards of the model and optimizer state (no gather to one process: at 8B the full fp32 state
+    is ~98 GB), and a restart loads them on the same or another number of ranks, or in one process (DCP reshards).
+    Only the trainable weights when some are frozen (a LoRA run's backbone never changes). Rank 0 adds extra.pt: the
+    RNG states and `extra` (step, data cursor, ...); and first `recipe` (check_run_files compares it). Atomic: written
+    into a temporary directory, renamed when whole. Every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    msd, osd = get_state_dict(model, opt)   # sharded (DTensor) under FSDP2, plain tensors otherwise
+    if any(not p.requires_grad for p in model.parameters()):
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         msd = {k: v for k, v in msd.items() if k in trainable}
+    tmp = f"{path}.tmp-{broadcast_object(os.getpid())}"   # one temporary name for all ranks
     if rank() == 0:
         if recipe is not None:
             save_json(recipe_file(path), recipe)
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    with _single_process_quiet():
+        dcp.save(dict(model=msd, optim=osd), checkpoint_id=tmp)
+    if rank() == 0:
         name, keys, pos, has_gauss, gauss = np.random.get_state()
         # only tensors and plain Python values, so that it loads with torch.load(weights_only=True)
-        state = dict(model=msd, optim=osd, extra=extra, torch_rng=torch.get_rng_state(), py_rng=random.getstate(),
-                     np_rng=dict(name=name, keys=torch.from_numpy(keys.astype(np.int64)), pos=int(pos),
-                                 has_gauss=int(has_gauss), gauss=float(gauss)))
-        write_file_atomically(path, lambda tmp: torch.save(state, tmp))
+        torch.save(dict(extra=extra, torch_rng=torch.get_rng_state(), py_rng=random.getstate(),
+                        np_rng=dict(name=name, keys=torch.from_numpy(keys.astype(np.int64)), pos=int(pos),
+                                    has_gauss=int(has_gauss), gauss=float(gauss))),
+                   os.path.join(tmp, "extra.pt"))
+        old = f"{tmp}.old"
+        if os.path.isdir(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
 
 
 def load_train_state(path: str, model, opt) -> dict:
-    """Restore what save_train_state wrote into `model` and `opt` (broadcast from rank 0 under FSDP2);
-    returns `extra`. Every rank must call it."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    partial = len(state["model"]) < len(model.state_dict())   # saved without the frozen weights
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=sharded(), strict=not partial)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+    """Restore what save_train_state wrote into `model` and `opt`, whatever the number of ranks that saved it (every
+    rank reads the parts of the shards it now holds); returns `extra`. Every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    msd, osd = get_state_dict(model, opt)   # the layout to fill (the optimizer's state is initialised if empty)
+    partial = any(not p.requires_grad for p in model.parameters())   # saved without the frozen weights
+    if partial:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in trainable}
+    with _single_process_quiet():
+        dcp.load(dict(model=msd, optim=osd), checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=StateDictOptions(strict=not partial))
+    state = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=True)
     torch.set_rng_state(state["torch_rng"])
     v, internal, gauss = state["py_rng"]
     random.setstate((v, tuple(internal), gauss))
     r = state["np_rng"]
     np.random.set_state((r["name"], r["keys"].numpy().astype(np.uint32), r["pos"], r["has_gauss"], r["gauss"]))
     return state["extra"]
+
+
+def drop_train_state(out: str):
+    """Remove the resume state and its recipe once the checkpoint `out` is saved (rank 0)."""
+    if rank() == 0:
+        state, recipe, _ = run_files(out)
+        shutil.rmtree(state, ignore_errors=True)
+        if os.path.exists(recipe):
+            os.remove(recipe)
+
+
+class _single_process_quiet:
+    """DCP in one process warns that it "assumes the intent is to load in a single process": it is the intent."""
+    def __enter__(self):
+        import warnings
+        self.w = warnings.catch_warnings()
+        self.w.__enter__()
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+    def __exit__(self, *exc):
+        self.w.__exit__(*exc)
 
 
 def code_revision() -> str:
@@ -432,11 +492,23 @@ def write_meta(ckpt_dir: str, meta: dict):
         json.dump(meta, f, indent=2, sort_keys=True, default=str)
 
 
-def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict | None = None):
+def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict | None = None, dtype=None):
     """Write a Hugging Face checkpoint (safetensors + config + tokenizer) plus acl_meta.json, atomically
-    (write_atomically). For a sharded model pass state_dict=full_state_dict(model) and call this on rank 0 only."""
+    (write_atomically). For a sharded model pass state_dict=full_state_dict(model) and call this on rank 0 only.
+    dtype (e.g. torch.bfloat16, --save-dtype): the floating-point weights are cast to it, and config.json says so, so
+    that vLLM and `dtype="auto"` load them as such (an 8B stage: 16 GB, not 33 GB in fp32); None keeps the model's."""
+    if dtype is not None:
+        sd = state_dict if state_dict is not None else model.state_dict()
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
     def write(tmp):
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if dtype is not None:
+            with open(os.path.join(tmp, "config.json")) as f:
+                cfg = json.load(f)
+            cfg["dtype"] = str(dtype).removeprefix("torch.")
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_meta(tmp, meta)

@@ -42,6 +42,7 @@ from common import (
     UsageError,
     check_output,
     check_run_files,
+    drop_train_state,
     full_params,
     init_dist,
     is_checkpoint,
@@ -69,7 +70,7 @@ from envs.rollout import HFBackend, ServiceError, make_backend
 from scale import dry_run
 from train_seq import add_grpo_flags, check_grpo_flags, grpo, stage_args
 from train_seq import recipe as grpo_recipe
-from train_step import add_scale_flags, add_step_flags, check_shared_flags
+from train_step import SAVE_DTYPES, add_scale_flags, add_step_flags, check_shared_flags
 
 PRESETS = {   # arch: the backbone's architecture for --dry-run before the SDFT backbone exists
     "tiny": dict(arch="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
@@ -192,7 +193,7 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     backend, push, adapter = expert_backend(a, tok, policy, device, out + ".live")
     ref = AdapterOff(policy) if a.kl_coef > 0 else None
-    resume_path, resume_recipe, _ = run_files(out)
+    resume_path = run_files(out)[0]
     rec = recipe(a, domain)
     grpo(policy, tok, backend, env, domain, a, name, a.steps_by_domain[domain], resume_path, ref, push=push,
          adapter=adapter, out=out, rec=rec)
@@ -202,9 +203,7 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
                 seconds=round(time.time() - t0, 1))
     save_adapter(policy, out, meta)
     if rank() == 0:
-        for path in (resume_path, resume_recipe):
-            if os.path.exists(path):
-                os.remove(path)
+        drop_train_state(out)
         shutil.rmtree(out + ".live", ignore_errors=True)        # the vLLM push's adapter copies, made by this run
         print0(f"[{name}] saved {out} ({read_meta(out)['adapter_bytes'] / 2**20:.2f} MiB) in {time.time() - t0:.0f}s")
     return read_meta(out) if rank() == 0 else meta
@@ -394,7 +393,8 @@ def export_merged(a):
         merged = PeftModel.from_pretrained(model, e).merge_and_unload()
         dest = os.path.join(a.export_out, d)
         save_checkpoint(dest, merged, tok, dict(method="mle-merged", stage=d, parent=os.path.abspath(a.backbone),
-                                                expert=os.path.abspath(e), recipe=read_meta(e).get("recipe")))
+                                                expert=os.path.abspath(e), recipe=read_meta(e).get("recipe")),
+                        dtype=SAVE_DTYPES[a.save_dtype])
         print0(f"[mle] merged {e} into {a.backbone} -> {dest}")
 
 
@@ -480,7 +480,7 @@ def main(argv=None):
         usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist()
+    device = init_dist(a.dist_timeout)
     t0 = time.time()
     print0(f"mle: experts {', '.join(a.domains)} on the frozen backbone {a.backbone} -> {a.out}, {world_size()} "
            f"process(es)\nresolved config: {vars(a)}")

@@ -41,6 +41,7 @@ from common import (
     all_reduce_sum,
     check_output,
     check_run_files,
+    drop_train_state,
     full_state_dict,
     gather_mean,
     init_dist,
@@ -67,6 +68,7 @@ from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains,
 from envs.rollout import ServiceError, check_user_errors, make_backend, push_weights, rollout
 from scale import dry_run, model_config
 from train_step import (
+    SAVE_DTYPES,
     Cursor,
     add_scale_flags,
     add_step_flags,
@@ -326,7 +328,7 @@ def main(argv=None):
         return
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist()
+    device = init_dist(a.dist_timeout)
     t0 = time.time()
     print0(f"mmopd: student {a.student}, teachers {a.teacher_paths} -> {a.out}, {world_size()} process(es)\n"
            f"resolved config: {vars(a)}")
@@ -350,7 +352,7 @@ def main(argv=None):
     train = {d: envs[d].tasks("train", seed=a.seed) for d in a.domains}
     cursors = {d: Cursor(len(train[d]), a.seed + 3 + k) for k, d in enumerate(a.domains)}
     quota = mix_quota(a.mix, {d: 1 for d in a.domains}, a.prompts)
-    resume_path, resume_recipe, _ = run_files(a.out)
+    resume_path = run_files(a.out)[0]
     start, history = 0, []
     if os.path.exists(resume_path):
         extra = load_train_state(resume_path, policy, opt)
@@ -438,12 +440,10 @@ def main(argv=None):
                     step=a.steps, seed=a.seed, recipe=rec, teachers=rec["teachers"], tokenizer=a.tokenizer,
                     history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1))
         try:
-            save_checkpoint(a.out, policy, tok, meta, state_dict=sd)
+            save_checkpoint(a.out, policy, tok, meta, state_dict=sd, dtype=SAVE_DTYPES[a.save_dtype])
         except OSError as e:
             sys.exit(f"error: writing {a.out} failed: {e}")
-        for path in (resume_path, resume_recipe):
-            if os.path.exists(path):
-                os.remove(path)
+        drop_train_state(a.out)
         print0(f"saved {a.out} in {time.time() - t0:.0f}s")
     teardown()
 

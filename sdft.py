@@ -57,6 +57,7 @@ from common import (
     check_output,
     check_run_files,
     check_writable,
+    drop_train_state,
     full_state_dict,
     init_dist,
     is_checkpoint,
@@ -85,6 +86,7 @@ from envs.base import EpisodeState, read_jsonl, valid_tool_calls
 from envs.rollout import Episode, ServiceError, check_user_errors, episode_record, make_backend, rollout
 from scale import dry_run
 from train_step import (
+    SAVE_DTYPES,
     Cursor,
     add_scale_flags,
     add_step_flags,
@@ -426,7 +428,7 @@ def main(argv=None):
         usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist()
+    device = init_dist(a.dist_timeout)
     t0 = time.time()
     print0(f"sdft: {', '.join(a.domains)} -> {a.out}, {world_size()} process(es)\nresolved config: {vars(a)}")
     if rank() == 0:
@@ -478,7 +480,7 @@ def main(argv=None):
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     policy.train()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    resume_path, resume_recipe, _ = run_files(a.out)
+    resume_path = run_files(a.out)[0]
     start = 0
     if os.path.exists(resume_path):
         start = load_train_state(resume_path, policy, opt)["step"]
@@ -520,12 +522,10 @@ def main(argv=None):
                     quota=quota, config={k: v for k, v in vars(a).items() if k != "tok"},
                     seconds=round(time.time() - t0, 1))
         try:
-            save_checkpoint(a.out, policy, tok, meta, state_dict=sd)
+            save_checkpoint(a.out, policy, tok, meta, state_dict=sd, dtype=SAVE_DTYPES[a.save_dtype])
         except OSError as e:
             sys.exit(f"error: writing {a.out} failed: {e}")
-        for path in (resume_path, resume_recipe):
-            if os.path.exists(path):
-                os.remove(path)
+        drop_train_state(a.out)
         print0(f"saved {a.out} in {time.time() - t0:.0f}s")
     teardown()
 

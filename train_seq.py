@@ -48,6 +48,7 @@ from common import (
     all_reduce_sum,
     check_run_files,
     check_writable,
+    drop_train_state,
     full_state_dict,
     gather_mean,
     init_dist,
@@ -71,10 +72,19 @@ from common import (
 )
 from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
 from envs.base import UsageError
-from envs.rollout import ServiceError, check_user_errors, expert_episodes, make_backend, push_weights, saved_episodes
+from envs.rollout import (
+    ServiceError,
+    check_install,
+    check_user_errors,
+    expert_episodes,
+    make_backend,
+    push_weights,
+    saved_episodes,
+)
 from evaluate import evaluate_inrun, inrun_path
 from scale import dry_run
 from train_step import (
+    SAVE_DTYPES,
     Cursor,
     add_scale_flags,
     add_step_flags,
@@ -361,15 +371,12 @@ def run_stage(i, domain, parent, a, device, env):
         t_rft = time.time() - t1
         save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft", seconds=round(t_rft, 1)))
     steps = a.steps_by_domain[domain]
-    resume_path, resume_recipe, _ = run_files(out)
+    resume_path = run_files(out)[0]
     grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model, out=out)
     seconds = time.time() - t0
     save(policy, tok, out, a, domain, i, parent, dict(rft_kept=n_rft, rft_seconds=round(t_rft, 1),
                                                       seconds=round(seconds, 1)))
-    if rank() == 0:
-        for path in (resume_path, resume_recipe):
-            if os.path.exists(path):
-                os.remove(path)
+    drop_train_state(out)
     if a.eval_n:
         evaluate_stage(engine if engine is not None else policy, tok, out, a, seconds,
                        backend=backend if a.backend == "vllm" else None)
@@ -383,7 +390,7 @@ def save(policy, tok, out, a, domain, i, parent, extra):
         meta = dict(method="oracle" if a.oracle else "seq", stage=domain, parent=os.path.abspath(parent),
                     curriculum=a.curriculum, curriculum_position=i, step=a.steps_by_domain[domain], seed=a.seed,
                     recipe=recipe(a, domain), config=vars(a) | dict(env_opts=a.env_opts), **extra)
-        save_checkpoint(out, policy, tok, meta, state_dict=sd)
+        save_checkpoint(out, policy, tok, meta, state_dict=sd, dtype=SAVE_DTYPES[a.save_dtype])
         print0(f"saved {out}")
 
 
@@ -443,6 +450,8 @@ def get_args(argv=None):
     p, name, preset = preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
     p.add_argument("--curriculum", default="math,search,ecommerce,if", help="domains in training order")
+    p.add_argument("--check-install", action="store_true", help="print the versions, the GPU, whether vllm and "
+                   "flash-attn import and whether this vllm is supported; exit 1 on a problem (nothing else runs)")
     p.add_argument("--oracle", action="store_true", help="train each curriculum domain alone from --init "
                                                           "-> runs/<preset>/oracle/<domain>")
     add_grpo_flags(p, preset)
@@ -507,6 +516,8 @@ def evaluate_finished(out, a, device):
 
 
 def main(argv=None):
+    if "--check-install" in (sys.argv[1:] if argv is None else argv):   # before any flag is checked
+        sys.exit(1 if check_install() else 0)
     a = get_args(argv)
     try:
         a = check_args(a)
@@ -521,7 +532,7 @@ def main(argv=None):
         usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist()
+    device = init_dist(a.dist_timeout)
     print0(f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from {a.init}, "
            f"{world_size()} process(es)\nresolved config: {vars(a)}")
     if rank() == 0:

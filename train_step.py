@@ -47,10 +47,13 @@ from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, cache_kwarg
 # token limits fit a by-the-book e-commerce episode, see envs/rollout.py); qwen3-8b fits an H200 per rank.
 SCALE = {
     "tiny": dict(backend="hf", gen_batch=128, bf16=False, grad_ckpt=False, micro_batch=64, max_tokens=MAX_TOKENS,
-                 max_turn_tokens=MAX_TURN_TOKENS),
+                 max_turn_tokens=MAX_TURN_TOKENS, save_dtype="fp32"),
     "qwen3-8b": dict(backend="vllm", gen_batch=256, bf16=True, grad_ckpt=True, micro_batch=4, max_tokens=8192,
-                     max_turn_tokens=2048),
+                     max_turn_tokens=2048, save_dtype="bf16"),
 }
+
+
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_scale_flags(p, preset: str):
@@ -67,6 +70,11 @@ def add_scale_flags(p, preset: str):
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=s["grad_ckpt"],
                    help="activation checkpointing")
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
+    p.add_argument("--save-dtype", default=s["save_dtype"], choices=sorted(SAVE_DTYPES),
+                   help="dtype of the checkpoints a run writes (the master weights train in fp32 either way; the "
+                        "resume state keeps them in fp32)")
+    p.add_argument("--dist-timeout", type=float, default=180.0, help="minutes a collective may wait (the process "
+                   "group's timeout): ranks wait at a barrier while rank 0 evaluates or writes a checkpoint")
     p.add_argument("--attn", default="auto", help="attention implementation: auto (flash_attention_2 where "
                                                  "flash-attn is installed, else sdpa), sdpa, flash_attention_2, eager")
     p.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm backend: share of GPU memory for the "
@@ -94,6 +102,7 @@ def check_shared_flags(a):
                     (a.max_tokens > a.max_turn_tokens > 0, "need --max-tokens > --max-turn-tokens > 0"),
                     (0 < a.vllm_gpu_util <= 1, "--vllm-gpu-util must be in (0, 1]"),
                     (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.grad_clip > 0, "--grad-clip must be > 0"),
+                    (a.dist_timeout > 0, "--dist-timeout must be > 0 (minutes)"),
                     (a.temperature > 0, "--temperature must be > 0 for training")]:
         if not ok:
             raise UsageError(msg)

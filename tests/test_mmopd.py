@@ -273,7 +273,7 @@ def test_a_tiny_run_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_same_w
     monkeypatch.setattr(mmopd, "train_on", dying)
     with pytest.raises(KeyboardInterrupt):
         mmopd.main([*args, "--out", killed])
-    assert os.path.isfile(os.path.join(str(tmp_path), ".resume-killed.pt")) and not os.path.exists(killed)
+    assert os.path.isdir(os.path.join(str(tmp_path), ".resume-killed")) and not os.path.exists(killed)
     r = run([*args, "--out", killed])
     assert r.returncode == 0 and "resumed at step 2" in r.stdout, r.stderr[-3000:]
     a, b = load_file(os.path.join(whole, "model.safetensors")), load_file(os.path.join(killed, "model.safetensors"))

@@ -246,3 +246,29 @@ def test_a_user_model_that_starts_failing_mid_run_stops_the_run_with_the_count(t
     assert "of 4 e-commerce episodes ended in a user-model error (more than --max-user-errors 0.25)" in r.stderr
     assert "stopped before training on it" in r.stderr and len(calls) > 1
     assert not os.path.exists(tmp_path / "runs" / "seq" / "1-ecommerce")
+
+
+def test_check_install_names_what_does_not_work(monkeypatch, capsys):
+    """Issue 22: `train_seq.py --check-install` prints the versions and exits 0 on this machine's install; a vllm
+    older than the backend supports and a flash-attn that does not import (a wheel built for another torch) are each
+    a problem line, and exit status 1."""
+    import importlib.metadata as md
+    import types
+
+    import train_seq
+    with pytest.raises(SystemExit) as e:
+        train_seq.main(["--check-install"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "install ok" in out and f"torch {torch.__version__}" in out and "transformers" in out
+    real = md.version
+    fake = {"vllm": "0.9.0", "flash-attn": "2.8.3.post2"}
+    monkeypatch.setattr(md, "version", lambda name: fake[name] if name in fake else real(name))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.9.0"))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)   # import flash_attn raises ImportError
+    with pytest.raises(SystemExit) as e:
+        train_seq.main(["--check-install"])
+    out = capsys.readouterr().out
+    assert e.value.code == 1
+    assert "vllm          0.9.0: NOT usable (RuntimeError: vllm 0.9.0 is too old" in out
+    assert "flash-attn    2.8.3.post2: does NOT import" in out
+    assert out.count("problem: ") == 2 and "install ok" not in out

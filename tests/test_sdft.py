@@ -253,12 +253,12 @@ def test_a_run_on_a_pool_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_s
     monkeypatch.setattr(sdft, "train_on", dying)
     with pytest.raises(KeyboardInterrupt):
         sdft.main([*common_args, "--out", killed])
-    assert os.path.isfile(os.path.join(str(tmp_path), ".resume-killed.pt")) and not os.path.exists(killed)
+    assert os.path.isdir(os.path.join(str(tmp_path), ".resume-killed")) and not os.path.exists(killed)
     r = run([*common_args, "--out", killed])
     assert r.returncode == 0 and "resumed at step 2" in r.stdout, r.stderr[-3000:]
     a, b = load_file(os.path.join(whole, "model.safetensors")), load_file(os.path.join(killed, "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not os.path.exists(os.path.join(str(tmp_path), ".resume-killed.pt"))
+    assert not os.path.exists(os.path.join(str(tmp_path), ".resume-killed"))
     assert [json.loads(x)["step"] for x in open(killed + ".metrics.jsonl")] == [1, 2, 3, 4]   # each step once
     # another recipe into a finished student: refused, unless --overwrite
     r = run([*common_args, "--out", whole, "--lr", "5e-4"])

@@ -149,13 +149,13 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
         train_seq.main(args)
     assert os.path.isfile(os.path.join(runs, "seq", "1-math", "acl_meta.json"))
     assert os.path.isfile(os.path.join(runs, "seq", "2-search-rft", "acl_meta.json"))
-    assert os.path.isfile(os.path.join(runs, "seq", ".resume-2-search.pt"))
+    assert os.path.isdir(os.path.join(runs, "seq", ".resume-2-search"))
     assert not os.path.exists(os.path.join(runs, "seq", "2-search"))
     assert os.path.isfile(os.path.join(runs, "eval", "inrun", "seq-1-math.json"))
     # the kill left a resume state with its recipe; what killed writes leave is removed at the next start
     assert os.path.isfile(os.path.join(runs, "seq", ".resume-2-search.json"))
     os.makedirs(os.path.join(runs, "seq", ".tmp-2-search-123-456"))
-    open(os.path.join(runs, "seq", ".resume-2-search.pt.tmp-123"), "w").close()
+    os.makedirs(os.path.join(runs, "seq", ".resume-2-search.tmp-123"))   # a killed save leaves such a directory
     # restarted with another recipe for the killed stage only: its resume state is refused, before any work
     r = run_cli([*args, "--steps", "math=2,search=3"])
     assert r.returncode == 2 and "2-search" in r.stderr and "another recipe" in r.stderr
@@ -169,7 +169,7 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     meta = json.load(open(os.path.join(runs, "seq", "2-search", "acl_meta.json")))
     assert meta["stage"] == "search" and meta["curriculum_position"] == 2 and meta["method"] == "seq"
     assert meta["parent"] == os.path.abspath(os.path.join(runs, "seq", "1-math"))
-    assert not os.path.exists(os.path.join(runs, "seq", ".resume-2-search.pt"))
+    assert not os.path.exists(os.path.join(runs, "seq", ".resume-2-search"))
     # metrics.jsonl beside each stage: the resumed stage's steps each exactly once (the killed attempt's step 2, never
     # saved, is not kept twice)
     steps = [json.loads(x)["step"] for x in open(os.path.join(runs, "seq", "2-search.metrics.jsonl"))]
