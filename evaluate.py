@@ -1,7 +1,8 @@
 """Evaluate checkpoints on every benchmark of a suite: sampled score, mean ± std over sampling seeds.
 
 Each benchmark is a set of (env, task) pairs from envs/; a seed is one full pass that samples k rollouts per task
-(temperature 1, top_k 0: the policy's own distribution, not a truncated one) and scores their mean reward; the
+(top_k 0; temperature 1 on the tiny suite, the policy's own distribution; full: the released evaluation's math 0.6
+and tau 0.7, search and IF 1.0, SUITE_TEMPERATURE) and scores their mean reward; the
 result is the mean and the sample standard deviation of that score over seeds. Results go to
 runs/<preset>/eval/<name>.json (<name>: the checkpoint's path under runs/<preset>/ with / -> -, so
 runs/tiny/seq/1-math -> seq-1-math), a markdown table across checkpoints is printed, and when the checkpoints
@@ -18,7 +19,8 @@ plotted with forgetting, BWT and FWT (eval/seq_matrix.png, eval/seq_matrix.json)
 
 Suites. tiny: each domain's `test` (in-domain) and `ood` split of the tiny worlds, 300 tasks, k=1. full: AIME26
 (avg@16), GPQA-Diamond, MMLU-Redux, NQ, TriviaQA, PopQA, HotpotQA, 2Wiki, MuSiQue, Bamboogle, tau-retail, tau-OOD,
-IFEval, IFBench; every data source is a flag (HF ids by default where the env has one, local paths otherwise).
+IFEval, IFBench; every data source is a flag (HF ids by default where the env has one, local paths otherwise). The
+table adds the study's search columns: single_hop (TriviaQA, PopQA) and multi_hop (HotpotQA, 2Wiki, MuSiQue, Bamboogle).
 
 Single process; evaluation needs no torchrun. Training scripts call evaluate_model() on the in-memory model.
 
@@ -68,6 +70,14 @@ FULL_BENCHMARKS = {"aime26": "math", "gpqa_diamond": "math", "mmlu_redux": "math
                    "2wikimultihopqa": "search", "musique": "search", "bamboogle": "search",
                    "tau_retail": "ecommerce", "tau_ood": "ecommerce", "ifeval": "if", "ifbench": "if"}
 DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark samples once per task
+# Sampling temperature per domain. Full: the released evaluation's math 0.6 and tau 0.7; it sets none for search and
+# IF, which are sampled at 1.0 (the rollout temperature their in-training evaluation inherits). Tiny: 1.0 everywhere
+# (the policy's own distribution). --temperature overrides all, or some domains (math=0.6,...).
+SUITE_TEMPERATURE = {"tiny": {"math": 1.0, "search": 1.0, "ecommerce": 1.0, "if": 1.0},
+                     "full": {"math": 0.6, "search": 1.0, "ecommerce": 0.7, "if": 1.0}}
+# The study's search columns beside NQ (in-domain): single-hop and multi-hop averages over these benchmarks.
+SEARCH_GROUPS = {"single_hop": ("triviaqa", "popqa"),
+                 "multi_hop": ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle")}
 # The in-domain benchmark of each domain: the accuracy matrix's columns (tiny: `<domain>/test`).
 FULL_IN_DOMAIN = {"math": "aime26", "search": "nq", "ecommerce": "tau_retail", "if": "ifeval"}
 STAGE_RE = re.compile(r"^seq-(\d+)-(\w+)$")  # a sequential stage: seq-<i>-<domain> (seq-<i>-<domain>-rft is not one)
@@ -148,6 +158,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
         whose score is the mean reward over n tasks x k samples. mean/std are over seeds (std: sample standard
         deviation, 0 for one seed); metrics are the env's named metrics (f1, searches, ...) averaged the same way.
     k: samples per task (default 16 for aime26, else 1). n, max_tokens, max_turn_tokens: None = the suite's default.
+    temperature: one value for every benchmark, or {domain: value} (bench_domain; a domain not in it samples at 1.0).
     tasks: {benchmark: (env, tasks)} from load_benchmarks(), to reuse across calls; otherwise it is built from
         suite, domains, splits, n, env_opts, sources and benchmarks (see load_benchmarks).
     backend: any rollout backend (default: HFBackend(model, tok, batch)); model may then be None. The sampled
@@ -179,12 +190,13 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
         with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
             for name, (env, items) in tasks.items():
                 kk = k or DEFAULT_K.get(name, 1)
+                temp = temperature.get(bench_domain(name), 1.0) if isinstance(temperature, dict) else temperature
                 per_seed, per_seed_metrics, lengths, t0 = [], [], [], time.time()
                 per_task = [0.0] * len(items)
                 adapters = [route(env, t) for t in items] if route else None
                 for s in seed_list:
                     t1 = time.time()
-                    eps = rollout(backend, tok, [(env, t) for t in items], kk, temperature, max_tokens=max_tokens,
+                    eps = rollout(backend, tok, [(env, t) for t in items], kk, temp, max_tokens=max_tokens,
                                   max_turn_tokens=max_turn_tokens, seed=s, adapters=adapters)
                     dt = time.time() - t1
                     for i, e in enumerate(eps):   # items x samples order: episode i is task i // kk's
@@ -200,7 +212,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                 keys = sorted({m for ms in per_seed_metrics for m in ms})
                 results[name] = {
                     "mean": statistics.mean(per_seed), "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
-                    "n": len(items), "k": kk, "seeds": len(seed_list), "per_seed": per_seed,
+                    "n": len(items), "k": kk, "temperature": temp, "seeds": len(seed_list), "per_seed": per_seed,
                     "metrics": {m: statistics.mean(ms.get(m, 0.0) for ms in per_seed_metrics) for m in keys},
                     "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1),
                     "task_ids": [t.id for t in items], "per_task": per_task}
@@ -353,16 +365,52 @@ def _benchmarks(results) -> dict:
     return results["benchmarks"] if isinstance(results.get("benchmarks"), dict) else results
 
 
+def bench_domain(name) -> str:
+    """The domain of a benchmark: FULL_BENCHMARKS', or the tiny suite's `<domain>/<split>` prefix (`mixed/test`: mixed)."""
+    return FULL_BENCHMARKS.get(name) or name.split("/")[0]
+
+
+def eval_temperatures(text, suite):
+    """--temperature: None -> the suite's per-domain defaults (SUITE_TEMPERATURE); 'X' -> X everywhere; 'math=0.6,...'
+    -> those domains, the others at the suite's default. -> one number when it is the same everywhere (the tiny
+    default; then the mixed tasks too), else {domain: value}. UsageError on a bad value."""
+    from envs import per_domain
+    temps = dict(SUITE_TEMPERATURE[suite])
+    if text is not None:
+        named = per_domain("--temperature", text, [], cast=float) if "=" in text else \
+            per_domain("--temperature", text, list(temps), cast=float)
+        temps.update(named)
+    if any(not 0 <= v < 10 for v in temps.values()):
+        raise UsageError(f"--temperature must be in [0, 10) (0 = greedy); got {text!r}")
+    return temps if len(set(temps.values())) > 1 else next(iter(temps.values()))
+
+
+def group_averages(benchmarks) -> dict:
+    """The study's search columns: {group: {mean, std, n, of}} for each SEARCH_GROUPS group whose benchmarks were all
+    evaluated: per seed the unweighted mean of the members' scores, then mean and sample std over seeds."""
+    out = {}
+    for group, members in SEARCH_GROUPS.items():
+        if not all(m in benchmarks for m in members):
+            continue
+        per_seed = [statistics.mean(vals) for vals in zip(*(benchmarks[m]["per_seed"] for m in members))]
+        out[group] = {"mean": statistics.mean(per_seed), "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
+                      "n": sum(benchmarks[m]["n"] for m in members), "of": list(members), "per_seed": per_seed}
+    return out
+
+
 # ----------------------------------------------------------------------------- tables and the accuracy matrix
 
 def markdown_table(named_results) -> str:
-    """Rows: checkpoints ({name: results}), columns: every benchmark seen, cells `mean ± std`."""
+    """Rows: checkpoints ({name: results}), columns: every benchmark seen, then the search groups' averages where all
+    their members were evaluated (single_hop, multi_hop: group_averages), cells `mean ± std`."""
     columns = []
     for r in named_results.values():
-        columns += [b for b in _benchmarks(r) if b not in columns]
+        b = _benchmarks(r)
+        columns += [c for c in [*b, *group_averages(b)] if c not in columns]
     lines = ["| checkpoint | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, r in named_results.items():
         b = _benchmarks(r)
+        b = {**b, **group_averages(b)}
         cells = [f"{b[c]['mean']:.3f} ± {b[c]['std']:.3f}" if c in b else "–" for c in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -581,7 +629,9 @@ def parse_args(argv=None):
                    help="sampling seeds (full passes); mean/std are over seeds. 1 = std 0; use 3 for claims")
     p.add_argument("--k", type=int, default=None, help="samples per task for every benchmark (default: aime26 16, else 1)")
     p.add_argument("--n", type=int, default=None, help="tasks per benchmark (default: 300 tiny, all full)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--temperature", default=None, help="sampling temperature (0 = greedy): X for every benchmark, or "
+                   "per domain, math=0.6,ecommerce=0.7 (the others keep the default). Default: tiny 1.0; full math 0.6, "
+                   "ecommerce 0.7 (the released evaluation), search 1.0, if 1.0")
     p.add_argument("--batch", type=int, default=64, help="generation batch size (hf backend)")
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="rollout engine: hf (transformers, CPU "
                    "or GPU) or vllm (one engine; each further checkpoint's weights are streamed into it)")
@@ -615,8 +665,9 @@ def resolve(a) -> dict:
     for flag in ("seeds", "k", "n", "batch", "max_tokens", "max_turn_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
-    if not 0 <= a.temperature < float("inf") or a.threads < 0:
-        raise UsageError("--temperature and --threads must be >= 0")
+    if a.threads < 0:
+        raise UsageError("--threads must be >= 0")
+    a.temperature = eval_temperatures(a.temperature, a.suite)
     defaults = SUITE_DEFAULTS.get(a.suite, {})
     if (a.max_turn_tokens or defaults["max_turn_tokens"]) > (a.max_tokens or defaults["max_tokens"]):
         raise UsageError(f"--max-turn-tokens ({a.max_turn_tokens or defaults['max_turn_tokens']}) must not exceed "

@@ -97,6 +97,7 @@ class TokBackend:
         self.eos = tok.convert_tokens_to_ids("<|im_end|>")
 
     def generate(self, prompts, max_new_tokens, temperature, stop_ids):
+        self.temperatures = getattr(self, "temperatures", set()) | {temperature}
         out = []
         for p in prompts:
             ids = self.tok(self.reply(self.tok.decode(p)), add_special_tokens=False)["input_ids"] + [self.eos]
@@ -241,6 +242,9 @@ def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
     (["--suite", "full", "--benchmarks", "tau_ood"], "tau_ood needs"),
     (["--suite", "full", "--source", "aime26"], "NAME=PATH_OR_ID"),
     (["--matrix"], "--matrix needs sequential stages"),
+    (["--temperature", "math=hot"], "--temperature takes X or domain=X"),
+    (["--temperature", "maths=0.6"], "unknown domain 'maths'"),
+    (["--temperature", "-1"], "--temperature must be in [0, 10)"),
 ])
 def test_bad_input_stops_before_anything_is_written(micro, tmp_path, monkeypatch, capsys, args, message):
     model, tok = micro
@@ -309,9 +313,12 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
         # One fixed reply is right on exactly one task of each benchmark: AIME's 24 (math-verify), Bamboogle's
         # "24" (EM), the tau task that needs no database change (the user stops), IFEval's no-comma rule.
         backend = TokBackend(tok, lambda text: "So \\boxed{24} <answer>24</answer>")
-        res = evaluate.evaluate_model(None, tok, suite="full", seeds=2, tasks=tasks, backend=backend)
+        res = evaluate.evaluate_model(None, tok, suite="full", seeds=2, tasks=tasks, backend=backend,
+                                      temperature=evaluate.eval_temperatures(None, "full"))
     for name in names:
         assert res[name]["mean"] == pytest.approx(0.5) and res[name]["std"] == 0.0 and res[name]["n"] == 2, name
+    # each benchmark sampled at its domain's temperature: the released evaluation's math 0.6 and tau 0.7
+    assert [res[b]["temperature"] for b in names] == [0.6, 1.0, 0.7, 1.0] and backend.temperatures == {0.6, 1.0, 0.7}
     assert res["aime26"]["k"] == 16 and res["ifeval"]["k"] == 1  # AIME is avg@16
     assert res["bamboogle"]["metrics"]["answered"] == 1.0 and "f1" in res["bamboogle"]["metrics"]
     assert res["tau_retail"]["metrics"]["user_error"] == 0.0 and res["tau_retail"]["metrics"]["db_match"] == 0.5
@@ -320,6 +327,29 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
         evaluate.load_benchmarks("full", benchmarks=["tau_ood"], env_opts=env_opts)
     with pytest.raises(UsageError, match="unknown full-suite benchmark 'aime25'"):
         evaluate.load_benchmarks("full", sources={"aime25": "x"})
+
+
+def test_single_and_multi_hop_columns_average_their_benchmarks_per_seed():
+    """The study's search columns: single-hop = mean of TriviaQA and PopQA, multi-hop = mean of HotpotQA, 2Wiki,
+    MuSiQue and Bamboogle, averaged per seed (so the std is over seeds); a group with a member missing is left out."""
+    bench = lambda *seeds: {"mean": sum(seeds) / len(seeds), "std": 0.0, "n": 10, "per_seed": list(seeds)}
+    res = {"nq": bench(0.5, 0.5), "triviaqa": bench(0.6, 0.8), "popqa": bench(0.2, 0.2), "hotpotqa": bench(0.4, 0.2),
+           "2wikimultihopqa": bench(0.3, 0.3), "musique": bench(0.1, 0.1), "bamboogle": bench(0.2, 0.4)}
+    g = evaluate.group_averages(res)
+    assert g["single_hop"]["per_seed"] == pytest.approx([0.4, 0.5]) and g["single_hop"]["mean"] == pytest.approx(0.45)
+    assert g["single_hop"]["std"] == pytest.approx(statistics.stdev([0.4, 0.5])) and g["single_hop"]["n"] == 20
+    assert g["multi_hop"]["per_seed"] == pytest.approx([0.25, 0.25]) and g["multi_hop"]["std"] == pytest.approx(0.0)
+    table = evaluate.markdown_table({"ckpt": res})
+    assert table.splitlines()[0].endswith("| bamboogle | single_hop | multi_hop |") and "0.450 ± 0.071" in table
+    del res["popqa"]
+    assert list(evaluate.group_averages(res)) == ["multi_hop"]
+
+
+@pytest.mark.parametrize("text, suite, want", [
+    (None, "tiny", 1.0), (None, "full", {"math": 0.6, "search": 1.0, "ecommerce": 0.7, "if": 1.0}), ("0", "full", 0.0),
+    ("math=0.3", "tiny", {"math": 0.3, "search": 1.0, "ecommerce": 1.0, "if": 1.0})])
+def test_temperature_per_domain(text, suite, want):
+    assert evaluate.eval_temperatures(text, suite) == want
 
 
 def test_an_rft_checkpoint_is_not_a_stage_of_the_matrix():
