@@ -332,10 +332,14 @@ class Metrics:
     """The per-step metrics of the run that makes checkpoint directory `out`, one JSON line per step in
     <out>.metrics.jsonl beside it (runs/tiny/seq/1-math.metrics.jsonl), written by rank 0 and flushed at once. Made
     with the step the run resumes from: the rows after it (the killed attempt's last steps) are dropped, so a resumed
-    run holds each step exactly once; a run from step 0 starts the file afresh."""
+    run holds each step exactly once; a run from step 0 starts the file afresh.
+    wandb: a Weights & Biases project (--wandb) that gets the same rows: one W&B run per checkpoint, its id derived
+    from `out` so that a resumed run continues it; offline (synced later with `wandb sync`) unless WANDB_API_KEY or
+    WANDB_MODE is set. An optional import (check_wandb refuses the flag before any work when it is missing)."""
 
-    def __init__(self, out: str, resume_step: int = 0):
+    def __init__(self, out: str, resume_step: int = 0, wandb: str | None = None, config: dict | None = None):
         self.path = os.path.abspath(out) + ".metrics.jsonl"
+        self.wb = None
         if rank() != 0:
             return
         rows = []
@@ -346,11 +350,42 @@ class Metrics:
             with open(tmp, "w") as f:
                 f.writelines(rows)
         write_file_atomically(self.path, write)
+        if wandb:
+            import hashlib
+
+            import wandb as wb
+            if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+                os.environ["WANDB_MODE"] = "offline"
+            run_id = hashlib.sha256(os.path.abspath(out).encode()).hexdigest()[:16]
+            self.wb = wb.init(project=wandb, id=run_id, resume="allow", name=os.path.relpath(out),
+                              group=os.path.dirname(os.path.abspath(out)), dir=os.path.dirname(os.path.abspath(out)),
+                              config=json.loads(json.dumps(config or {}, default=str)))
 
     def log(self, row: dict):
         if rank() == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(dict(row, time=round(time.time(), 1)), default=float) + "\n")
+            if self.wb is not None:
+                def flat(d, pre=""):   # numbers only; nested dicts (MMOPD's per-domain rows) as domains/math/rkl
+                    for k, v in d.items():
+                        if isinstance(v, dict):
+                            yield from flat(v, f"{pre}{k}/")
+                        elif (isinstance(v, (int, float)) or (torch.is_tensor(v) and v.numel() == 1)) and k != "step":
+                            yield f"{pre}{k}", float(v)
+                self.wb.log(dict(flat(row)), step=int(row["step"]))
+
+    def finish(self):
+        if self.wb is not None:
+            self.wb.finish()
+            self.wb = None
+
+
+def check_wandb(project: str | None):
+    """UsageError, before any work, when --wandb is given and the wandb package is not installed."""
+    import importlib.util
+    if project and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--wandb needs the wandb package: pip install wandb (or drop --wandb; metrics.jsonl is "
+                         "written either way)")
 
 
 def broadcast_object(obj):

@@ -361,7 +361,7 @@ def main(argv=None):
             cursors[d].pos = pos
         push_weights(backend, policy)
         print0(f"[mmopd] resumed at step {start} from {resume_path}")
-    metrics = Metrics(a.out, start)
+    metrics = Metrics(a.out, start, wandb=a.wandb, config=vars(a))
     print0(f"[mmopd] {a.steps} steps of {a.prompts} prompts x {a.group} samples, per step {quota}")
     step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
     t1 = time.time()
@@ -428,6 +428,7 @@ def main(argv=None):
                 save_train_state(resume_path, policy, opt, dict(step=step, history=history,
                                                                 cursors={d: c.pos for d, c in cursors.items()}),
                                  recipe=rec)
+        metrics.finish()
     except FloatingPointError as e:
         if rank() == 0:
             mark_diverged(a.out, str(e))

@@ -485,7 +485,7 @@ def main(argv=None):
     if os.path.exists(resume_path):
         start = load_train_state(resume_path, policy, opt)["step"]
         print0(f"[sdft] resumed at step {start} from {resume_path}")
-    metrics = Metrics(a.out, start)
+    metrics = Metrics(a.out, start, wandb=a.wandb, config=vars(a))
     t1 = time.time()
     try:
         for step in range(start, steps):
@@ -511,6 +511,7 @@ def main(argv=None):
                        f"{el:.0f}s elapsed, ETA {el / (step + 1 - start) * (steps - step - 1):.0f}s")
             if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
                 save_train_state(resume_path, policy, opt, dict(step=step + 1), recipe=rec)
+        metrics.finish()
     except FloatingPointError as e:
         if rank() == 0:
             mark_diverged(a.out, str(e))

@@ -200,12 +200,13 @@ def rollouts(backend, tok, env, tasks, n, a, seed, adapter=None):
     return eps
 
 
-def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name):
+def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name, out=None):
     """The agentic stages' cold start, SFT on rollouts that keep_successes keeps (full reward, well-formed tool
     calls, distinct): --cold-start self samples them from the policy (rejection-sampled fine-tuning, RFT);
     --cold-start expert takes a stronger model's, as the study's authors did (Qwen3-30B-A3B rollouts): in the tiny
     worlds the scripted expert's episodes of the same prompts (envs.rollout.expert_episodes), at full scale the
-    teacher rollouts in --expert-data (evaluate.py --save-episodes writes them)."""
+    teacher rollouts in --expert-data (evaluate.py --save-episodes writes them). out: the checkpoint the cold start
+    makes (<stage>-rft), whose metrics.jsonl gets a row per SFT step."""
     from envs.rollout import expert_records
     t0 = time.time()
     mine = tasks[rank()::world_size()]
@@ -230,11 +231,14 @@ def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name):
     backend.sleep()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.rft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     policy.train()
+    metrics = Metrics(out, 0, wandb=a.wandb, config=vars(a)) if out else None
     try:
         sft_epochs(policy, opt, kept, epochs=a.rft_epochs, batch=max(1, a.micro_batch // 2), micro_batch=a.micro_batch,
-                   grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft")
+                   grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft", metrics=metrics)
     except FloatingPointError as e:
         raise FloatingPointError(f"[{stage_name}] cold start: {e}") from None
+    if metrics:
+        metrics.finish()
     backend.wake()
     push_weights(backend, policy)
     return n_kept
@@ -269,7 +273,7 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
     prompts = a.prompts_by_domain[domain]
     per_rank = max(1, prompts // world_size())
     step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
-    metrics = Metrics(out, start) if out else None
+    metrics = Metrics(out, start, wandb=a.wandb, config=vars(a)) if out else None
     t0 = time.time()
     for step in range(start + 1, steps + 1):
         grpo_steps.step = step
@@ -331,6 +335,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         if a.save_every and step % a.save_every == 0 and step < steps:
             save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos),
                              recipe=rec or recipe(a, domain))
+    if metrics:
+        metrics.finish()
 
 
 def stage_backend(a, tok, path, policy, device):
@@ -367,7 +373,7 @@ def run_stage(i, domain, parent, a, device, env):
         t1 = time.time()
         tasks = env.tasks("train", seed=a.seed)
         tasks = [tasks[j] for j in Cursor(len(tasks), a.seed + 1).take(a.rft_prompts_by_domain[domain])]
-        n_rft = cold_start(policy, tok, backend, env, domain, tasks, a, name)
+        n_rft = cold_start(policy, tok, backend, env, domain, tasks, a, name, out=rft_dir)
         t_rft = time.time() - t1
         save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft", seconds=round(t_rft, 1)))
     steps = a.steps_by_domain[domain]

@@ -34,6 +34,7 @@ from common import (
     UsageError,
     all_reduce_max,
     all_reduce_sum,
+    check_wandb,
     checkpoints_activations,
     print0,
     rank,
@@ -73,6 +74,8 @@ def add_scale_flags(p, preset: str):
     p.add_argument("--save-dtype", default=s["save_dtype"], choices=sorted(SAVE_DTYPES),
                    help="dtype of the checkpoints a run writes (the master weights train in fp32 either way; the "
                         "resume state keeps them in fp32)")
+    p.add_argument("--wandb", default=None, metavar="PROJECT", help="also log every step's metrics to this Weights & "
+                   "Biases project (offline unless WANDB_API_KEY or WANDB_MODE is set; pip install wandb)")
     p.add_argument("--dist-timeout", type=float, default=180.0, help="minutes a collective may wait (the process "
                    "group's timeout): ranks wait at a barrier while rank 0 evaluates or writes a checkpoint")
     p.add_argument("--attn", default="auto", help="attention implementation: auto (flash_attention_2 where "
@@ -106,6 +109,7 @@ def check_shared_flags(a):
                     (a.temperature > 0, "--temperature must be > 0 for training")]:
         if not ok:
             raise UsageError(msg)
+    check_wandb(a.wandb)
     return a
 
 
@@ -449,9 +453,10 @@ def keep_successes(episodes) -> list:
 
 
 def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: int, grad_clip: float, seed: int,
-               agg: str = "token", label: str = "sft") -> list:
+               agg: str = "token", label: str = "sft", metrics=None) -> list:
     """`epochs` passes of SFT over this rank's `episodes`, `batch` of them per optimizer step, in a seeded
-    shuffle; every rank takes as many steps as the busiest one. -> the loss of every step."""
+    shuffle; every rank takes as many steps as the busiest one. metrics: a common.Metrics that gets a row per step.
+    -> the loss of every step."""
     n_steps = int(all_reduce_max(math.ceil(len(episodes) / batch))) * epochs
     rng = random.Random(seed + rank())
     order, losses, t0 = [], [], time.time()
@@ -460,8 +465,11 @@ def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: in
             order = list(range(len(episodes)))
             rng.shuffle(order)
         chunk = [episodes[order.pop()] for _ in range(min(batch, len(order)))]
-        loss, _ = train_on(model, opt, chunk, sft_loss, micro_batch=micro_batch, agg=agg, grad_clip=grad_clip)
+        ts = time.time()
+        loss, stats = train_on(model, opt, chunk, sft_loss, micro_batch=micro_batch, agg=agg, grad_clip=grad_clip)
         losses.append(loss)
+        if metrics:
+            metrics.log(dict(step=s + 1, nll=loss, grad_norm=stats["grad_norm"], seconds=round(time.time() - ts, 2)))
         if s % 10 == 0 or s == n_steps - 1:
             el = time.time() - t0
             print0(f"{label} sft step {s + 1}/{n_steps} | nll {loss:.4f} | {el:.0f}s elapsed, "

@@ -12,6 +12,7 @@ missing data directory, a malformed task file) raises UsageError with one clear 
 """
 import http.client
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -99,6 +100,13 @@ class Env:
 
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def cache_dir(*parts) -> str:
+    """A directory under the project's cache, $ACLARENA_CACHE (default ~/.cache/aclarena): what an environment builds
+    once and reuses across processes (the IF world's tasks, a corpus's BM25 index). Not created here."""
+    root = os.environ.get("ACLARENA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aclarena")
+    return os.path.join(root, *parts)
 
 
 def parse_tool_calls(text: str) -> tuple:

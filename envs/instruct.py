@@ -25,7 +25,7 @@ from collections import Counter
 from langdetect import DetectorFactory
 from langdetect import detect as _langdetect
 
-from envs.base import SPLITS, Env, Task, UsageError
+from envs.base import SPLITS, Env, Task, UsageError, cache_dir
 
 DetectorFactory.seed = 0  # langdetect samples n-grams at random: fix it so scores are deterministic
 BENCHMARKS = ("ifeval", "ifbench")
@@ -689,7 +689,7 @@ def _tiny_tasks(split, n, seed):
     key = (split, n, seed)
     if key not in _TASKS:
         import hashlib
-        root = os.environ.get("ACLARENA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aclarena")
+        root = cache_dir()
         source = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:12]
         path = os.path.join(root, f"if-tasks-{split}-{n}-{seed}-{source}.json")
         try:

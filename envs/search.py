@@ -45,6 +45,7 @@ from envs.base import (
     EpisodeState,
     Task,
     UsageError,
+    cache_dir,
     function_schema,
     parse_tool_calls,
     read_jsonl,
@@ -122,18 +123,61 @@ def format_passages(contents: list) -> str:
 
 
 class BM25Index:
-    """A bm25s index over wiki-18 style `contents` strings."""
+    """A bm25s index over wiki-18 style `contents` strings (in memory), or one loaded from disk (for_corpus)."""
 
-    def __init__(self, contents: list):
+    def __init__(self, contents: list | None = None, bm25=None):
+        if bm25 is not None:   # loaded, its passages memory-mapped: bm25.corpus[i] = {"id", "text"}
+            self.bm25, self.contents = bm25, None
+            return
         self.contents = list(contents)
         self.bm25 = bm25s.BM25()
         self.bm25.index(bm25s.tokenize(self.contents, stopwords="en", show_progress=False), show_progress=False)
 
+    def __len__(self):
+        return len(self.contents) if self.contents is not None else len(self.bm25.corpus)
+
     def search(self, query: str, k: int) -> list:
         tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
-        docs, scores = self.bm25.retrieve(tokens, k=min(k, len(self.contents)), show_progress=False)
+        docs, scores = self.bm25.retrieve(tokens, k=min(k, len(self)), show_progress=False)
+        texts = [self.contents[d] for d in docs[0]] if self.contents is not None else [d["text"] for d in docs[0]]
         # Documents that share no term with the query score 0: "no results" beats random passages.
-        return [self.contents[d] for d, s in zip(docs[0], scores[0]) if s > 0]
+        return [t for t, s in zip(texts, scores[0]) if s > 0]
+
+    @classmethod
+    def for_corpus(cls, path: str, wait_s: float = 6 * 3600.0):
+        """The index of a corpus file, built once per node and kept in $ACLARENA_CACHE/bm25/<corpus fingerprint>/
+        (path, size, mtime, bm25s version): the process with LOCAL_RANK 0 (or the only one) builds and saves it,
+        the node's other ranks wait for it, and every process loads it memory-mapped (the index arrays and the
+        passages), so a node pays one build and holds one copy in its page cache instead of one per rank. Wiki-18
+        (21M passages, 13 GB): the build reads every passage into memory once (measured on a 200k-passage corpus:
+        see docs/LOG.md, issue 22). A later run with the same file loads the saved index at once."""
+        import hashlib
+        import time
+        if not os.path.isfile(path):
+            raise UsageError(f"corpus file not found: {path}")
+        st = os.stat(path)
+        key = hashlib.sha256(f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{bm25s.__version__}".encode())
+        out = cache_dir("bm25", key.hexdigest()[:16])
+        done = os.path.join(out, "params.index.json")
+        if not os.path.isfile(done) and os.environ.get("LOCAL_RANK", "0") == "0":
+            t0 = time.time()
+            index = cls(read_corpus(path))
+            tmp = f"{out}.tmp-{os.getpid()}"
+            index.bm25.save(tmp, corpus=index.contents, show_progress=False)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            try:
+                os.rename(tmp, out)
+            except OSError:   # another builder finished first (a second run on the node): keep its index
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+            print(f"search: BM25 index of {path} ({len(index)} passages) built in {time.time() - t0:.0f}s, saved to "
+                  f"{out}", flush=True)
+        t0 = time.time()
+        while not os.path.isfile(done):   # another rank of this node builds it
+            if time.time() - t0 > wait_s:
+                raise RuntimeError(f"no BM25 index at {out} after {wait_s:.0f}s: did local rank 0 fail to build it?")
+            time.sleep(2.0)
+        return cls(bm25=bm25s.BM25.load(out, mmap=True, load_corpus=True, show_progress=False))
 
 
 def read_corpus(path: str) -> list:
@@ -325,7 +369,7 @@ class SearchEnv(Env):
             raise UsageError(f"search data not found: {data}")
         self.world = None if self.full else build_world(seed)
         if corpus:
-            self.index = BM25Index(read_corpus(corpus))
+            self.index = BM25Index.for_corpus(corpus)
         elif self.world:
             self.index = BM25Index([passage(e) for e in self.world.values()])
         else:

@@ -127,3 +127,37 @@ def test_run_files_belong_to_one_recipe(tmp_path):
     common.mark_diverged(out, "[seq/1-math] GRPO step 3: non-finite loss nan")
     with pytest.raises(common.UsageError, match="diverged in an earlier run"):
         common.check_run_files(out, {"lr": 1.0})
+
+
+def test_metrics_go_to_wandb_too_with_one_run_per_checkpoint(tmp_path, monkeypatch):
+    """--wandb PROJECT: the rows of metrics.jsonl also go to W&B (numbers only, nested per-domain rows flattened,
+    at their step), offline without a key; a resumed run continues the same W&B run (its id comes from the
+    checkpoint path); without the wandb package the flag is refused before any work."""
+    import types
+    calls = []
+
+    class Run:
+        def log(self, row, step):
+            calls.append(("log", row, step))
+
+        def finish(self):
+            calls.append(("finish",))
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    out = str(tmp_path / "seq" / "1-math")
+    m = common.Metrics(out, 0, wandb="aclarena", config={"lr": 1e-3, "curriculum": ["math"]})
+    m.log({"stage": "seq/1-math", "step": 1, "reward": 0.25, "domains": {"math": {"rkl": 0.5}}})
+    m.finish()
+    init = calls[0][1]
+    assert init["project"] == "aclarena" and init["resume"] == "allow" and init["config"]["lr"] == 1e-3
+    assert os.environ["WANDB_MODE"] == "offline"
+    assert calls[1] == ("log", {"reward": 0.25, "domains/math/rkl": 0.5}, 1) and calls[2] == ("finish",)
+    assert [json.loads(x)["step"] for x in open(out + ".metrics.jsonl")] == [1]
+    common.Metrics(out, 1, wandb="aclarena")
+    assert calls[3][1]["id"] == init["id"]
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(common.UsageError, match="--wandb needs the wandb package"):
+        common.check_wandb("aclarena")
+    common.check_wandb(None)

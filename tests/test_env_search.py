@@ -1,7 +1,9 @@
 """The search environment: golden episodes, fuzzing, the tiny world, real loaders and retrievers."""
 import json
+import os
 import re
 import socket
+import sys
 
 import pytest
 from fake_http import JSONServer
@@ -279,6 +281,32 @@ def test_wiki18_corpus_and_flashrag_data(flashrag):
     single = SearchEnv(data=str(flashrag / "qa/bamboogle/test.jsonl"), corpus=str(corpus), topk=1)
     assert len(single.tasks("test")) == 5 and len(single.benchmark("popqa")) == 5  # a file is used as given
     assert single.search("Babbage").count("\n") == 0
+
+
+def test_a_corpus_index_is_built_once_per_node(flashrag, monkeypatch):
+    """BM25Index.for_corpus: local ranks 0 and 1 of one node start together; rank 0 builds and saves the index, rank
+    1 waits for it, and both load the same memory-mapped index and retrieve the same passages; a later start loads
+    the saved index without building; a changed corpus file gets a new index."""
+    import subprocess
+    corpus = write_jsonl(flashrag / "wiki-18.jsonl", WIKI)
+    code = ("import sys; from envs.search import BM25Index; i = BM25Index.for_corpus(sys.argv[1]); "
+            "print(len(i), repr(i.search('capital of France', 2)))")
+    env = dict(os.environ, ACLARENA_CACHE=str(flashrag / "cache"), OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(corpus)], cwd=root, env=dict(env, LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), [o[1][-800:] for o in outs]
+    assert "built in" not in outs[0][0] and "built in" in outs[1][0]           # rank 1 waited, rank 0 built
+    assert outs[0][0].splitlines()[-1] == outs[1][0].splitlines()[-1]
+    assert outs[0][0].splitlines()[-1].startswith(f"{len(WIKI)} ['\"Paris\"")
+    assert len(os.listdir(flashrag / "cache" / "bm25")) == 1
+    again = subprocess.run([sys.executable, "-c", code, str(corpus)], cwd=root, env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and "built in" not in again.stdout
+    write_jsonl(flashrag / "wiki-18.jsonl", WIKI[:3])
+    changed = subprocess.run([sys.executable, "-c", code, str(corpus)], cwd=root, env=env, capture_output=True, text=True)
+    assert "built in" in changed.stdout and changed.stdout.splitlines()[-1].startswith("3 ")
+    assert len(os.listdir(flashrag / "cache" / "bm25")) == 2
 
 
 RETRIEVER_REQUESTS = []

@@ -1,6 +1,7 @@
 """train_seq.py: the GRPO pieces on hand-made numbers, FSDP2 on 2 CPU ranks = 1 process, and the
 sequential run end to end on a micro checkpoint (resume, skip finished stages, bad input, NaN)."""
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -209,6 +210,10 @@ def test_oracle_writes_oracle_dirs(micro_base, tmp_path):
     (["--group", "1"], "--group"),
     (["--clip-low", "1.5"], "--clip-low"),
     (["--steps", "math=3"], "search"),
+    (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
+    (["--save-dtype", "fp8"], "invalid choice: 'fp8'"),
+    pytest.param(["--wandb", "aclarena"], "--wandb needs the wandb package",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")),
 ])
 def test_bad_input_stops_before_writing(micro_base, tmp_path, bad, msg):
     runs = str(tmp_path / "runs")

@@ -61,9 +61,10 @@ def test_grpo_update_equals_the_pre_refactor_numbers(agg):
     assert_delta(model, init, GOLDEN[f"grpo_{agg}"]["delta"])
 
 
-def test_rft_epochs_equal_the_pre_refactor_numbers(monkeypatch):
+def test_rft_epochs_equal_the_pre_refactor_numbers(monkeypatch, tmp_path):
     """train_seq.rft on fixed rollouts: the success filter (a failure, a malformed tool call and a duplicate are
-    dropped) and two SFT epochs give the weights the code gave before it was shared."""
+    dropped) and two SFT epochs give the weights the code gave before it was shared; each SFT step is a row of the
+    cold-start checkpoint's metrics.jsonl."""
     def fixed(*_a, **_k):
         eps = dist_grpo.episodes()
         for i, e in enumerate(eps):
@@ -86,9 +87,13 @@ def test_rft_epochs_equal_the_pre_refactor_numbers(monkeypatch):
     monkeypatch.setattr(train_seq, "rollouts", fixed)
     model, _, init = start()
     a = argparse.Namespace(rft_samples=2, seed=3, micro_batch=4, rft_lr=1e-2, rft_epochs=2, agg="token", grad_clip=1.0,
-                           temperature=1.0, cold_start="self")
-    assert train_seq.cold_start(model, None, NoBackend(), None, "search", [None], a, "golden") == GOLDEN["rft"]["kept"] == 6
+                           temperature=1.0, cold_start="self", wandb=None)
+    out = str(tmp_path / "2-search-rft")
+    assert train_seq.cold_start(model, None, NoBackend(), None, "search", [None], a, "golden", out=out) == \
+        GOLDEN["rft"]["kept"] == 6
     assert_delta(model, init, GOLDEN["rft"]["delta"])
+    rows = [json.loads(x) for x in open(out + ".metrics.jsonl")]   # 6 kept, 2 per step, 2 epochs
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["nll"] > 0 and r["grad_norm"] > 0 for r in rows)
 
 
 def test_a_changed_aggregation_would_fail_the_golden_test():
