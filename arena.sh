@@ -27,10 +27,38 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
 
 # every step's wall time: `t NAME command...` runs it and appends "NAME seconds" to $TIMES; the table prints at the end
-mkdir -p "$RUNS"
+mkdir -p "$RUNS/logs"
 TIMES=$RUNS/arena_times.txt
-echo "# arena.sh started $(date '+%Y-%m-%d %H:%M:%S') at $(git rev-parse --short HEAD 2>/dev/null || echo '?')" >> "$TIMES"
-t() { local name=$1 s; shift; s=$(date +%s); "$@"; echo "$name $(( $(date +%s) - s ))" >> "$TIMES"; }
+START=$(date +%s)
+echo "# arena.sh started $(date '+%Y-%m-%d %H:%M:%S') at $(git rev-parse --short HEAD 2>/dev/null || echo '?') $START" >> "$TIMES"
+# LANES (tiny): independent steps run side by side, each a 1-thread process (this tiny model's ops are too small for
+# 2 threads to help much: two 1-thread processes do 1.5x the work of one 2-thread process). LANES=1: one at a time,
+# at torch's default threads, their output on the terminal too; each step's output is kept in runs/<arena>/logs/.
+LANES=${LANES:-2}
+[ "$ARENA" = tiny ] || LANES=1
+[ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
+t() {
+    local name=$1 s rc=0; shift; s=$(date +%s)
+    if [ "$LANES" -gt 1 ]; then
+        echo "[$(date +%H:%M:%S)] $name: started (log: $RUNS/logs/$name.log)"
+        "$@" > "$RUNS/logs/$name.log" 2>&1 || rc=$?
+        [ $rc = 0 ] || { echo "[$(date +%H:%M:%S)] $name FAILED (exit $rc); its log ends:"; tail -n 20 "$RUNS/logs/$name.log"; }
+    else
+        { "$@" 2>&1 | tee "$RUNS/logs/$name.log"; } || rc=$?
+    fi
+    [ $rc = 0 ] || return $rc
+    echo "$name $(( $(date +%s) - s ))" >> "$TIMES"
+    [ "$LANES" -le 1 ] || echo "[$(date +%H:%M:%S)] $name: done in $(( $(date +%s) - s )) s"
+}
+# `lanes f g ...`: the shell functions f, g, ... (each a chain of steps) at once with LANES > 1, else one after
+# another; any failure stops the arena after the others finish
+lanes() {
+    local f pids=() rc=0
+    if [ "$LANES" -le 1 ]; then for f in "$@"; do "$f"; done; return; fi
+    for f in "$@"; do "$f" & pids+=($!); done
+    for f in "${pids[@]}"; do wait "$f" || rc=1; done
+    return $rc
+}
 
 SEEDS=${SEEDS:-1}           # tiny: training seeds of the sequential run (seed 0 in runs/tiny, seed s in runs/tiny-seed<s>)
 BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory (merge.py, analyze.py read it)
@@ -39,10 +67,11 @@ BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's direct
 #    Qwen3-8B-Base (seconds). `python -m envs.tiny --out runs/tiny/base` rebuilds it (~12.5 min; float
 #    differences between machines give a different base: see the README's base section)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || { mkdir -p "$RUNS" && cp -r assets/tiny-base "$RUNS/base"; }
-# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~5 min)
-t seq $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS
-# 3. the four single-task oracles, each one stage from the base (~9 min)
-t oracles $RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS
+# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~5 min), and
+# 3. the four single-task oracles, each one stage from the base (~5 min), side by side
+seq() { t seq $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS; }
+oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS; }
+lanes seq oracles
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
 t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ --out "$RUNS/analysis/seq"
@@ -52,37 +81,57 @@ t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/se
 STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # uniform lambda = 1/4 (seconds)
 [ -f "$RUNS/merge/uniform/acl_meta.json" ] || t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform"
-# the best mean val score on a simplex grid of step 0.5, 11 candidates (~2.5 min)
-[ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || t merge-grid python merge.py --base "$BASE" --models "${STAGES[@]}" \
-    --search grid --grid-step 0.5 --out "$RUNS/merge/grid"
-# the best worst-domain val score relative to the oracles, same grid (~3 min)
-[ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || t merge-balanced python merge.py --base "$BASE" --models "${STAGES[@]}" \
-    --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} --out "$RUNS/merge/balanced"
-# 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
-#    their balanced union, from the base -> runs/tiny/sdft (~3 min)
-t sdft $RUN sdft.py --preset "$ARENA" $TRAIN_ARGS
+# the best mean val score on a simplex grid of step 0.5, 11 candidates (~2 min), and the best worst-domain val score
+# relative to the oracles on the same grid (~2 min); then
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
-#    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~8 min)
-t mmopd $RUN mmopd.py --preset "$ARENA" $TRAIN_ARGS
+#    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~3 min)
+merges_mmopd() {
+    [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || t merge-grid python merge.py --base "$BASE" \
+        --models "${STAGES[@]}" --search grid --grid-step 0.5 --out "$RUNS/merge/grid"
+    [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || t merge-balanced python merge.py --base "$BASE" \
+        --models "${STAGES[@]}" --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} \
+        --out "$RUNS/merge/balanced"
+    t mmopd $RUN mmopd.py --preset "$ARENA" $TRAIN_ARGS
+}
+# 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
+#    their balanced union, from the base -> runs/tiny/sdft (~1 min); then
 # 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
-#    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~9 min)
-t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $TRAIN_ARGS
+#    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)
+sdft_mle() {
+    t sdft $RUN sdft.py --preset "$ARENA" $TRAIN_ARGS
+    t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $TRAIN_ARGS
+}
+lanes sdft_mle merges_mmopd
 # 7. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
 t analyze python analyze.py --runs "$RUNS" --base "$BASE"
-# 8. evaluation at 300 tasks per split: the base, every stage, every oracle, every merge, SDFT, MMOPD, MLE; the accuracy
-#    matrix with forgetting, BWT and FWT, and its heatmap in runs/tiny/eval/ (~29 min: 14 checkpoints x ~2.1 min)
-t evaluate python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/base" "${STAGES[@]}" \
-    "$RUNS"/oracle/{math,search,ecommerce,if} "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle" | tee "$RUNS/scores.md"
-# 8b. MLE routed by its learned router instead of the task's tag (eval/mle-learned.json), and every consolidator on
-#    the mixed-domain tasks that need search and arithmetic in one episode, which carry no tag (runs/tiny/eval-mixed/)
-t evaluate-mle-learned python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" $EVAL_ARGS --ckpt "$RUNS/mle" --router learned
-[ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --suite tiny --mixed --domains search --out-dir "$RUNS/eval-mixed" \
-    --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle" --router learned
+# 8. evaluation, 300 tasks per `test` split and 100 per `ood` split (the ood scores sit at the floor, <= 0.02: 100
+#    tasks bound them as well), in two lanes: the base, every stage and oracle, with the accuracy matrix (forgetting,
+#    BWT, FWT, its heatmap in runs/tiny/eval/); and every merge, SDFT, MMOPD and MLE (tag routing), MLE routed by its
+#    learned router (eval/mle-learned.json), and the consolidators on the mixed-domain tasks that need search and
+#    arithmetic in one episode and carry no tag (runs/tiny/eval-mixed/) (~12 min)
+N_EVAL=${N_EVAL:-test=300,ood=100}
+[ "$ARENA" = tiny ] || N_EVAL=""
+eval_runs() {
+    t evaluate-runs python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS \
+        --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
+    cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
+}
+eval_consolidators() {
+    t evaluate-consolidators python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
+        $EVAL_ARGS --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
+    t evaluate-mle-learned python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
+        $EVAL_ARGS --ckpt "$RUNS/mle" --router learned
+    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --suite tiny --mixed only --n "$N_EVAL" \
+        --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
+        "$RUNS/mle" --router learned
+}
+lanes eval_runs eval_consolidators
 # 9. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
 #    like step 8 (its base row is step 8's), then the accuracy matrices as mean ± std over training seeds
 #    (~17 min a seed)
 if [ "$ARENA" = tiny ] && [ "$SEEDS" -gt 1 ]; then
+    unset OMP_NUM_THREADS   # one run at a time here, at torch's default threads
     ALL=("$RUNS")
     for s in $(seq 1 $((SEEDS - 1))); do
         R=runs/tiny-seed$s
@@ -93,7 +142,9 @@ if [ "$ARENA" = tiny ] && [ "$SEEDS" -gt 1 ]; then
     done
     python evaluate.py --across "${ALL[@]}" | tee "$RUNS/scores_seeds.md"
 fi
-# the time table of this run (the steps after the last "started" line) and its total
-awk '/^# arena.sh started/ {n = 0; delete rows; head = $0; next} {rows[++n] = $0} END {print head;
-    for (i = 1; i <= n; i++) {split(rows[i], f, " "); printf "%-22s %6d s\n", f[1], f[2]; total += f[2]}
-    printf "%-22s %6d s (%.1f min)\n", "total", total, total / 60}' "$TIMES" | tee "$RUNS/arena_times.md"
+# the time table of this run (the steps after the last "started" line; with lanes, steps overlap, so the total is the
+# wall time from the start, beside the sum of the steps)
+awk -v now="$(date +%s)" '/^# arena.sh started/ {n = 0; delete rows; head = $0; start = $NF; next} {rows[++n] = $0}
+    END {print head; for (i = 1; i <= n; i++) {split(rows[i], f, " "); printf "%-24s %6d s\n", f[1], f[2]; sum += f[2]}
+    printf "%-24s %6d s (%.1f min)\n", "sum of the steps", sum, sum / 60
+    printf "%-24s %6d s (%.1f min)\n", "total (wall)", now - start, (now - start) / 60}' "$TIMES" | tee "$RUNS/arena_times.md"

@@ -89,7 +89,7 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
                     benchmarks=None, mixed=False) -> dict:
     """{benchmark: (env, tasks)} of a suite; raises UsageError on a bad name, split or data source.
 
-    tiny: `<domain>/<split>` for every domain and split, n tasks each (default 300) from the tiny worlds (task
+    tiny: `<domain>/<split>` for every domain and split, n tasks each (default 300; or {split: n}) from the tiny worlds (task
     seed 0, so every checkpoint and every seed sees the same tasks); with mixed, also `mixed/<split>` for the test
     and ood splits among `splits`: envs/mixed.py's search-then-arithmetic tasks, which carry no domain tag.
     full: the benchmarks of `domains` (or the names in `benchmarks`), n tasks each (default all); `sources` maps a
@@ -102,17 +102,20 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
         if d not in DOMAINS:
             raise UsageError(f"unknown domain {d!r}; expected one of {', '.join(DOMAINS)}")
     n = SUITE_DEFAULTS[suite]["n"] if n is None else n
+    if isinstance(n, dict) and suite != "tiny":
+        raise UsageError("tasks per split (--n test=N,ood=M) is for the tiny suite")
+    n_of = (lambda split: n.get(split, SUITE_DEFAULTS[suite]["n"])) if isinstance(n, dict) else (lambda split: n)
     out = {}
     if suite == "tiny":
         for d in domains:
             env = make_env(d, **env_opts.get(d, {}))
             for split in splits:
-                out[f"{d}/{split}"] = (env, env.tasks(split, n=n, seed=0))
+                out[f"{d}/{split}"] = (env, env.tasks(split, n=n_of(split), seed=0))
         if mixed:
             from envs.mixed import MixedEnv
             env = MixedEnv()
             for split in [x for x in splits if x in ("test", "ood")]:
-                out[f"mixed/{split}"] = (env, env.tasks(split, n=n, seed=0))
+                out[f"mixed/{split}"] = (env, env.tasks(split, n=n_of(split), seed=0))
     else:
         names = list(benchmarks) if benchmarks else [b for b, d in FULL_BENCHMARKS.items() if d in domains]
         unknown = [b for b in list(names) + list(sources) if b not in FULL_BENCHMARKS]
@@ -628,7 +631,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=1,
                    help="sampling seeds (full passes); mean/std are over seeds. 1 = std 0; use 3 for claims")
     p.add_argument("--k", type=int, default=None, help="samples per task for every benchmark (default: aime26 16, else 1)")
-    p.add_argument("--n", type=int, default=None, help="tasks per benchmark (default: 300 tiny, all full)")
+    p.add_argument("--n", default=None, help="tasks per benchmark (default: 300 tiny, all full); tiny: also per split, "
+                   "test=300,ood=100 (an unnamed split keeps 300)")
     p.add_argument("--temperature", default=None, help="sampling temperature (0 = greedy): X for every benchmark, or "
                    "per domain, math=0.6,ecommerce=0.7 (the others keep the default). Default: tiny 1.0; full math 0.6, "
                    "ecommerce 0.7 (the released evaluation), search 1.0, if 1.0")
@@ -636,8 +640,9 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="rollout engine: hf (transformers, CPU "
                    "or GPU) or vllm (one engine; each further checkpoint's weights are streamed into it)")
     p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
-    p.add_argument("--mixed", action="store_true", help="tiny suite: also the mixed-domain tasks (envs/mixed.py: a "
-                   "search whose answer feeds an arithmetic step), mixed/test and mixed/ood")
+    p.add_argument("--mixed", nargs="?", const="add", default=None, choices=["add", "only"],
+                   help="tiny suite: also the mixed-domain tasks (envs/mixed.py: a search whose answer feeds an "
+                        "arithmetic step), mixed/test and mixed/ood; `--mixed only`: those alone")
     p.add_argument("--splits", default="test,ood", help="tiny suite: comma-separated splits per domain")
     p.add_argument("--benchmarks", default=None, help="full suite: comma-separated benchmarks (default: all of --domains)")
     p.add_argument("--max-tokens", type=int, default=None, help="token limit per episode (default: "
@@ -655,6 +660,22 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def parse_n(text):
+    """--n: None, N, or per split test=N,ood=M -> None, an int or {split: int}; UsageError unless every count >= 1."""
+    if text is None:
+        return None
+    try:
+        n = {k.strip(): int(v) for k, _, v in (x.partition("=") for x in text.split(","))} if "=" in text else int(text)
+    except ValueError:
+        raise UsageError(f"--n takes N or split=N,...; got {text!r}") from None
+    for split, v in (n.items() if isinstance(n, dict) else [("", n)]):
+        if split and split not in SPLITS:
+            raise UsageError(f"--n: unknown split {split!r}; expected some of {','.join(SPLITS)}")
+        if v < 1:
+            raise UsageError(f"--n must be >= 1, got {text!r}")
+    return n
+
+
 def resolve(a) -> dict:
     """Check every argument and load the benchmarks; UsageError (one line) on bad input, before anything is written."""
     import mle
@@ -662,7 +683,8 @@ def resolve(a) -> dict:
         raise UsageError("give --ckpt (checkpoints to evaluate) or --across (saved runs to aggregate)")
     if a.suite not in SUITES:
         raise UsageError(f"unknown suite {a.suite!r}; expected one of {', '.join(SUITES)}")
-    for flag in ("seeds", "k", "n", "batch", "max_tokens", "max_turn_tokens"):
+    a.n = parse_n(a.n)
+    for flag in ("seeds", "k", "batch", "max_tokens", "max_turn_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     if a.threads < 0:
@@ -672,7 +694,7 @@ def resolve(a) -> dict:
     if (a.max_turn_tokens or defaults["max_turn_tokens"]) > (a.max_tokens or defaults["max_tokens"]):
         raise UsageError(f"--max-turn-tokens ({a.max_turn_tokens or defaults['max_turn_tokens']}) must not exceed "
                          f"--max-tokens ({a.max_tokens or defaults['max_tokens']})")
-    domains = parse_domains(a.domains)
+    domains = [] if a.mixed == "only" else parse_domains(a.domains)
     splits = [s.strip() for s in a.splits.split(",") if s.strip()]
     for s in splits or [""]:
         if s not in SPLITS:
@@ -713,7 +735,7 @@ def resolve(a) -> dict:
     matrix_dir = next((d for _, name, d, _ in ckpts if STAGE_RE.match(name)), ckpts[0][2])
     saved = {os.path.basename(f)[:-5]: f for f in glob.glob(os.path.join(matrix_dir, "*.json"))}
     inrun = {os.path.basename(f)[:-5] for f in glob.glob(inrun_path(matrix_dir, "*"))}
-    stages = _stages(names, "--ckpt")
+    stages = _stages(names, "--ckpt") if domains else []   # --mixed only: no domain, no matrix
     if a.matrix or stages:
         stages = _stages(set(names) | {s for s in set(saved) | inrun if STAGE_RE.match(s)}, f"--ckpt and {matrix_dir}")
         if not stages:
