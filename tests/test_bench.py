@@ -141,3 +141,14 @@ def test_gpu_step_smoke(tmp_path, args):
     assert float(rows["hf generation: 4 x (8 prompt + 8 new) tokens/s"][0].replace(",", "")) > 0
     lora = [v[0] for k, v in rows.items() if k.startswith("LoRA rank")]
     assert len(lora) == ("--lora" in args) and all(re.fullmatch(r"[\d,]+ \(\d+\.\d\dx full fine-tuning\), .*", x) for x in lora)
+
+
+# ----------------------------------------------------------------------------- bench/bm25_index.py
+
+def test_bm25_index_once_per_node(tmp_path):
+    out = bench(tmp_path, "bench/bm25_index.py", "--passages", "300", "--words", "20", "--vocab", "500", "--ranks", "4")
+    rows = table(out)
+    assert "corpus: 300 passages" in out and "wiki-18 (21M passages), extrapolated linearly" in out
+    before = rows["before: every rank builds its own"]
+    after = rows["for_corpus: local rank 0 builds, all load it mapped"]
+    assert "(each, at once)" in before[0] and "(once)" in after[0] and float(after[2]) >= 0 and float(after[3]) > 0

@@ -245,6 +245,9 @@ def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
     (["--temperature", "math=hot"], "--temperature takes X or domain=X"),
     (["--temperature", "maths=0.6"], "unknown domain 'maths'"),
     (["--temperature", "-1"], "--temperature must be in [0, 10)"),
+    (["--n", "0"], "--n must be >= 1"),
+    (["--n", "tset=3"], "--n: unknown split 'tset'"),
+    (["--suite", "full", "--benchmarks", "aime26", "--n", "test=3"], "is for the tiny suite"),
 ])
 def test_bad_input_stops_before_anything_is_written(micro, tmp_path, monkeypatch, capsys, args, message):
     model, tok = micro
@@ -350,6 +353,19 @@ def test_single_and_multi_hop_columns_average_their_benchmarks_per_seed():
     ("math=0.3", "tiny", {"math": 0.3, "search": 1.0, "ecommerce": 1.0, "if": 1.0})])
 def test_temperature_per_domain(text, suite, want):
     assert evaluate.eval_temperatures(text, suite) == want
+
+
+def test_tasks_per_split_and_the_mixed_tasks_alone():
+    """--n test=5,ood=2: each split its own count (an unnamed split keeps 300), the same first tasks as a plain --n;
+    --mixed only: the mixed-domain tasks and no domain's."""
+    t = evaluate.load_benchmarks("tiny", ["math", "search"], ["test", "ood"], {"test": 5, "ood": 2}, mixed=True)
+    assert {k: len(v[1]) for k, v in t.items()} == {"math/test": 5, "math/ood": 2, "search/test": 5, "search/ood": 2,
+                                                     "mixed/test": 5, "mixed/ood": 2}
+    plain = evaluate.load_benchmarks("tiny", ["math"], ["ood"], 5)
+    assert [x.id for x in t["math/ood"][1]] == [x.id for x in plain["math/ood"][1]][:2]
+    assert evaluate.parse_n("test=300,ood=100") == {"test": 300, "ood": 100} and evaluate.parse_n("7") == 7
+    only = evaluate.load_benchmarks("tiny", [], ["test", "ood"], {"ood": 2}, mixed=True)
+    assert {k: len(v[1]) for k, v in only.items()} == {"mixed/test": 300, "mixed/ood": 2}
 
 
 def test_an_rft_checkpoint_is_not_a_stage_of_the_matrix():
