@@ -1,24 +1,328 @@
-"""The study's findings checked against a run's saved evaluations (runs/<preset>/eval/*.json). So far one finding,
-the study's claim for MLE: the most balanced profile, i.e. the highest minimum over domains of score / oracle.
+"""The study's report for one run of the arena, generated from its saved results, never by hand: runs/<arena>/report.md.
 
-    python report.py --balance --eval-dir runs/tiny/eval --names seq-4-if sdft mmopd mle --extra mle-learned
+    python report.py                                   # runs/tiny -> runs/tiny/report.md (seconds)
+    python report.py --runs runs/tiny --out docs/tiny-report.md
+    python report.py --balance --names seq-4-if sdft mmopd mle     # finding 6 alone, as a table
 
-The criterion, fixed in code before any run: for checkpoint c and domain d, r(c, d) = c's mean score on d's `test`
-tasks / the d oracle's mean score on the same tasks (same sampling seeds); the balance B(c) = min over d of r(c, d).
-Its spread is a paired bootstrap over tasks: every resample draws each domain's tasks with replacement, once, for all
-checkpoints and the oracle alike (--boot resamples, seed 0). The claim holds when the named checkpoint (--claim, MLE
-by default) has the highest B among --names and the 2.5% quantile of its bootstrap difference to the runner-up is > 0;
-it does not hold when another has the highest B; first without that margin is "not shown". --extra: shown, not competed.
+What it reads: evaluate.py's records (runs/<arena>/eval/<name>.json, 300 `test` tasks per domain), analyze.py's
+analysis.json, the MMOPD checkpoint's history, arena.sh's time table. What it writes: the study's table (in-domain and
+OOD score of every checkpoint, ± SE over tasks, the best of each column in bold), the same normalised by each domain's
+best single checkpoint beside the study's normalised values, the accuracy matrices (sampled and gold), the plots, and
+the study's nine findings, each checked by a criterion fixed in this file before any run (FINDINGS) and marked holds /
+does not hold / not measurable here, with the numbers that decide it. "Significant" means beyond 2 standard errors of a
+difference paired over the same tasks (evaluate.paired_difference).
+
+The balance criterion (finding 6): for checkpoint c and domain d, r(c, d) = c's mean score on d's `test` tasks / the d
+oracle's on the same tasks; B(c) = min over d of r(c, d); its spread is a paired bootstrap over tasks (every resample
+draws each domain's tasks once, for all checkpoints and the oracle alike). The claim holds when the claimed checkpoint
+(MLE) has the highest B and the 2.5% quantile of its bootstrap difference to the runner-up is > 0; it does not hold when
+another has the highest B; first without that margin is "not shown".
 """
 import argparse
 import os
+import platform
 import sys
+import time
 
 import torch
 
-from common import Parser, UsageError, usage_exit
+from common import Parser, UsageError, code_revision, read_meta, usage_exit, write_file_atomically
 from envs import DOMAINS
 
+# The study's table: its row names and this project's evaluation record of each (runs/<arena>/eval/<name>.json).
+ROWS = {"Base": "base", "Seq-Math": "seq-1-math", "Seq-Search": "seq-2-search", "Seq-Ecom": "seq-3-ecommerce",
+        "Seq-IF": "seq-4-if", "Oracle-Math": "oracle-math", "Oracle-Search": "oracle-search",
+        "Oracle-Ecom": "oracle-ecommerce", "Oracle-IF": "oracle-if", "MM-uniform": "merge-uniform",
+        "MM-grid": "merge-grid", "MM-balanced": "merge-balanced", "SDFT": "sdft", "MMOPD": "mmopd", "MLE-tag": "mle",
+        "MLE-learned": "mle-learned"}
+SINGLE = ("seq-1-math", "seq-2-search", "seq-3-ecommerce", "seq-4-if", "oracle-math", "oracle-search",
+          "oracle-ecommerce", "oracle-if")   # the single checkpoints: each domain's best of them normalises it
+CONSOLIDATORS = ("merge-uniform", "merge-grid", "merge-balanced", "sdft", "mmopd", "mle")
+# The study's normalised in-domain scores (its table ÷ each domain's best single checkpoint: AIME26 25.83, NQ 49.9,
+# tau3-Retail 34.0, IFEval 86.2), as read in its release (shared/ANCHORS.md); None where it gives none.
+STUDY_NORMALISED = {"Seq-IF": (0.40, 0.67, 0.87, 0.98), "MMOPD": (0.82, 0.91, None, None),
+                    "SDFT": (0.86, 0.97, 0.66, 0.62), "MM-uniform": (0.57, 0.78, 0.35, None),
+                    "MLE-tag": (0.81, 1.00, 0.97, 0.99)}
+Z = 2.0   # "significant": a paired difference beyond Z standard errors
+
+
+# ----------------------------------------------------------------------------- reading the run
+
+def load_records(eval_dir: str) -> dict:
+    """{record name: evaluate.py record} for every ROWS record present in eval_dir."""
+    from evaluate import load_results
+    out = {}
+    for name in ROWS.values():
+        path = os.path.join(eval_dir, f"{name}.json")
+        if os.path.isfile(path):
+            out[name] = load_results(path)
+    return out
+
+
+def cell(rec, domain, split="test"):
+    """(mean, SE over tasks, {task id: score}) of `<domain>/<split>` in a record; (None, None, None) if absent."""
+    from evaluate import _se
+    b = ((rec or {}).get("benchmarks") or {}).get(f"{domain}/{split}")
+    if not b:
+        return None, None, None
+    per = dict(zip(b["task_ids"], b["per_task"])) if b.get("per_task") else None
+    return b["mean"], _se(list(per.values())) if per else None, per
+
+
+def diff(recs, a, b, domain):
+    """b - a on `<domain>/test`, paired over tasks: (difference, SE) or (None, None) when either is missing."""
+    from evaluate import paired_difference
+    x, y = cell(recs.get(a), domain), cell(recs.get(b), domain)
+    return paired_difference((x[0], x[2]), (y[0], y[2]))
+
+
+def fmt(x, se=None, nd=3):
+    return "–" if x is None else f"{x:.{nd}f}" + ("" if se is None else f" ± {se:.{nd}f}")
+
+
+def sig(d, se, sign=+1):
+    """True when the paired difference d is beyond Z SEs in the direction `sign`; None when it cannot be told."""
+    if d is None or se is None:
+        return None
+    return sign * d > Z * se
+
+
+# ----------------------------------------------------------------------------- the tables
+
+def study_table(recs, domains=DOMAINS) -> str:
+    """Rows: the study's checkpoints; columns: each domain's test (in-domain) and ood score ± SE over tasks, and the
+    mean of the columns; the best of each column in bold."""
+    cols = [(d, s) for d in domains for s in ("test", "ood")]
+    vals = {row: [cell(recs.get(name), d, s)[:2] for d, s in cols] for row, name in ROWS.items() if name in recs}
+    for v in vals.values():
+        means = [m for m, _ in v if m is not None]
+        v.append((sum(means) / len(means) if means else None, None))
+    best = [max((v[j][0] for v in vals.values() if v[j][0] is not None), default=None) for j in range(len(cols) + 1)]
+    head = [f"{d} {'in' if s == 'test' else 'ood'}" for d, s in cols] + ["average"]
+    lines = ["| checkpoint | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for row, v in vals.items():
+        cells = [("**" + fmt(m, se) + "**") if m is not None and m == best[j] else fmt(m, se) for j, (m, se) in enumerate(v)]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def best_single(recs, domains=DOMAINS) -> dict:
+    """{domain: (record name, score)} of each domain's best single checkpoint on its `test` tasks."""
+    out = {}
+    for d in domains:
+        scored = [(cell(recs.get(n), d)[0], n) for n in SINGLE if cell(recs.get(n), d)[0] is not None]
+        if scored:
+            s, n = max(scored)
+            out[d] = (n, s)
+    return out
+
+
+def normalised_table(recs, domains=DOMAINS) -> str:
+    """Each in-domain score ÷ that domain's best single checkpoint (the scale-free form in which tiny and 8B numbers
+    compare), with the study's normalised values as a reference row under each row it reports."""
+    top = best_single(recs, domains)
+    lines = ["| checkpoint | " + " | ".join(f"{d} (÷ {fmt(top[d][1]) if d in top else '–'}, {top[d][0] if d in top else '–'})"
+                                           for d in domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    for row, name in ROWS.items():
+        if name not in recs:
+            continue
+        v = [cell(recs[name], d)[0] for d in domains]
+        lines.append(f"| {row} | " + " | ".join(fmt(x / top[d][1], nd=2) if x is not None and d in top and top[d][1] > 0
+                                                else "–" for x, d in zip(v, domains)) + " |")
+        if row in STUDY_NORMALISED:
+            lines.append(f"| *{row}, the study* | " + " | ".join(fmt(x, nd=2) for x in STUDY_NORMALISED[row]) + " |")
+    return "\n".join(lines)
+
+
+def matrices(recs, domains=DOMAINS):
+    """evaluate.accuracy_matrix of the sequential run, sampled score and gold log-likelihood (None without stages)."""
+    from evaluate import accuracy_matrix
+    stages = [(n, n.split("-", 2)[2], recs[n]) for n in ("seq-1-math", "seq-2-search", "seq-3-ecommerce", "seq-4-if")
+              if n in recs]
+    if not stages:
+        return None, None
+    return (accuracy_matrix(stages, recs.get("base"), list(domains)),
+            accuracy_matrix(stages, recs.get("base"), list(domains), metric="gold"))
+
+
+# ----------------------------------------------------------------------------- the findings, criteria fixed here
+
+def verdict(ok) -> str:
+    return {True: "holds", False: "does not hold", None: "not measurable here"}[ok]
+
+
+def f1_forgetting(recs, m):
+    """1. Seq-Final sits below the earlier peaks of math and search. Criterion: for math and for search, the forgetting
+    (the highest score from its stage on, minus Seq-Final's, paired over tasks) is significant."""
+    if m is None:
+        return None, "no sequential run"
+    parts, oks = [], []
+    for d in ("math", "search"):
+        f, se = m["forgetting"].get(d), m["forgetting_se"].get(d)
+        oks.append(sig(f, se))
+        parts.append(f"{d} forgetting {fmt(f, se)}")
+    return (None if None in oks else all(oks)), "; ".join(parts)
+
+
+def f2_non_monotonic(recs, m):
+    """2. Sequential training is non-monotonic: a domain falls after a later stage and partly recovers. Criterion: some
+    domain learned before the last stage has a significant fall from one row to the next after its own stage, followed
+    by a significant rise at a later row."""
+    if m is None:
+        return None, "no sequential run"
+    rows, found, parts = m["rows"], [], []
+    for d, row in m["learned"].items():
+        t = rows.index(row)
+        if t == len(rows) - 1:
+            continue
+        steps = [(rows[r], diff(recs, rows[r - 1], rows[r], d)) for r in range(t + 1, len(rows))]
+        falls = [i for i, (_, (x, se)) in enumerate(steps) if sig(x, se, -1)]
+        rises = [i for i, (_, (x, se)) in enumerate(steps) if sig(x, se, +1)]
+        parts.append(f"{d}: " + ", ".join(f"{r} {fmt(x, se)}" for r, (x, se) in steps))
+        if falls and any(i > falls[0] for i in rises):
+            found.append(d)
+    return bool(found), "; ".join(parts) + (f" (fall then recovery: {', '.join(found)})" if found else "")
+
+
+def f3_recovery(recs, m):
+    """3. MMOPD and SDFT recover most of the forgotten math and search. Criterion: each of them scores at least 0.8 of
+    the domain's peak in the sequential run on math and on search; not measurable when finding 1 finds no significant
+    forgetting in either (there is nothing to recover)."""
+    if m is None:
+        return None, "no sequential run"
+    parts, oks = [], []
+    for c in ("mmopd", "sdft"):
+        for d in ("math", "search"):
+            j = m["domains"].index(d)
+            peak = max((x[j] for x in m["matrix"][m["rows"].index(m["learned"][d]):] if x[j] is not None), default=None)
+            s = cell(recs.get(c), d)[0]
+            r = s / peak if s is not None and peak else None
+            oks.append(None if r is None else r >= 0.8)
+            parts.append(f"{c} {d} {fmt(s)} / peak {fmt(peak)} = {fmt(r, nd=2)}")
+    forgot = [sig(m["forgetting"].get(d), m["forgetting_se"].get(d)) for d in ("math", "search")]
+    if not any(forgot):
+        return None, "; ".join(parts) + " (no significant forgetting of math or search to recover)"
+    return (None if None in oks else all(oks)), "; ".join(parts)
+
+
+def f4_sdft_cost(recs, m):
+    """4. SDFT pays on the skills learned last. Criterion: SDFT minus Seq-Final is significantly negative on IF and on
+    e-commerce."""
+    parts, oks = [], []
+    for d in ("if", "ecommerce"):
+        x, se = diff(recs, "seq-4-if", "sdft", d)
+        oks.append(sig(x, se, -1))
+        parts.append(f"SDFT − Seq-Final on {d} {fmt(x, se)}")
+    return (None if None in oks else all(oks)), "; ".join(parts)
+
+
+def f5_uniform_merge(recs, m):
+    """5. Uniform merging keeps early skills and loses the last agentic one; it is the weakest consolidator on agentic
+    tasks. Criterion, all three: MM-uniform scores at least 0.8 of Seq-Math on math and of Seq-Search on search; it is
+    significantly below Seq-Ecom on e-commerce; its mean of search and e-commerce is the lowest of the consolidators."""
+    if "merge-uniform" not in recs:
+        return None, "no uniform merge"
+    keep = [(d, cell(recs["merge-uniform"], d)[0], cell(recs.get(s), d)[0])
+            for d, s in (("math", "seq-1-math"), ("search", "seq-2-search"))]
+    kept = [None if u is None or not s else u / s >= 0.8 for _, u, s in keep]
+    lost = diff(recs, "seq-3-ecommerce", "merge-uniform", "ecommerce")
+    agentic = {c: (cell(recs[c], "search")[0] + cell(recs[c], "ecommerce")[0]) / 2 for c in CONSOLIDATORS
+               if c in recs and None not in (cell(recs[c], "search")[0], cell(recs[c], "ecommerce")[0])}
+    weakest = min(agentic, key=agentic.get) if agentic else None
+    oks = kept + [sig(*lost, sign=-1), None if weakest is None else weakest == "merge-uniform"]
+    text = "; ".join(f"{d} {fmt(u)} vs its stage {fmt(s)}" for d, u, s in keep) + \
+        f"; e-commerce − Seq-Ecom {fmt(*lost)}; agentic mean: " + \
+        ", ".join(f"{c} {fmt(v)}" for c, v in sorted(agentic.items(), key=lambda kv: kv[1]))
+    return (None if None in oks else all(oks)), text
+
+
+def f6_balance(recs, eval_dir, names=("seq-4-if", "sdft", "mmopd", "mle"), claim="mle"):
+    """6. MLE has the most balanced profile (the module docstring's criterion)."""
+    if not all(n in recs for n in names) or not all(f"oracle-{d}" in recs for d in DOMAINS):
+        return None, "needs Seq-Final, SDFT, MMOPD, MLE and the four oracles"
+    res = balance(eval_dir, list(names))
+    table = balance_table(res, list(names), claim)
+    v = table.split("**")[-2] if "**" in table else None
+    ok = {"holds": True, "does not hold": False}.get(v, None)
+    return ok, ("not shown: " if v and v.startswith("not shown") else "") + ", ".join(
+        f"{n} {res[n]['min']:.2f} ± {res[n]['boot'].std().item():.2f}" for n in names)
+
+
+def f7_oracles(recs, m):
+    """7. Oracles specialise and do not transfer. Criterion: every oracle is significantly above the base on its own
+    domain, and no oracle is significantly above the base on another domain."""
+    own, transfer, parts = [], [], []
+    for d in DOMAINS:
+        o = f"oracle-{d}"
+        if o not in recs or "base" not in recs:
+            return None, "needs the base and the four oracles"
+        x, se = diff(recs, "base", o, d)
+        own.append(sig(x, se))
+        gains = {e: diff(recs, "base", o, e) for e in DOMAINS if e != d}
+        transfer += [e for e, (y, s) in gains.items() if sig(y, s)]
+        parts.append(f"{o}: own {fmt(x, se)}, others " + ", ".join(f"{e} {fmt(*g)}" for e, g in gains.items()))
+    ok = None if None in own else all(own) and not transfer
+    return ok, "; ".join(parts) + (f" (significant transfer to: {', '.join(transfer)})" if transfer else "")
+
+
+def f8_tokens(analysis):
+    """8. Low-entropy tokens stay >= 90% stable across stages; the change is carried by high-entropy tokens. Criterion:
+    for every later checkpoint, at least 0.90 of the low-entropy positions keep the reference's top-1, and the
+    high-entropy positions' share of the top-1 flips exceeds their share of positions (analyze.py's token report)."""
+    tok = (analysis or {}).get("token", {}).get("checkpoints")
+    if not tok:
+        return None, "no token-level analysis (analyze.py)"
+    oks, parts = [], []
+    for lab, r in tok.items():
+        if r.get("low_consistency") is None or r.get("high_flip_share") is None:
+            continue
+        oks.append(r["low_consistency"] >= 0.9 and r["high_flip_share"] > r["high_fraction"])
+        parts.append(f"{lab} low {r['low_consistency']:.2f}, flips in high {r['high_flip_share']:.2f} "
+                     f"(positions {r['high_fraction']:.2f})")
+    return (all(oks) if oks else None), "; ".join(parts)
+
+
+def f9_sft_moves_more(analysis):
+    """9. SFT moves the weights several times more than RL does. Criterion: in every stage with a cold start, the SFT
+    part's move (the -rft checkpoint from the stage's parent) is at least 2x the RL part's (the stage from -rft)."""
+    moves = [m for m in (analysis or {}).get("stage_moves", []) if "rft" in m]
+    if not moves:
+        return None, "no stage with a cold start in analyze.py's stage moves"
+    ratios = {m["checkpoint"]: m["rft"] / m["rl"] if m["rl"] > 0 else float("inf") for m in moves}
+    return all(r >= 2 for r in ratios.values()), ", ".join(
+        f"{c}: SFT {m['rft']:.3f} vs RL {m['rl']:.3f} ({ratios[c]:.1f}x)" for c, m in zip(ratios, moves))
+
+
+FINDINGS = [
+    ("Seq-Final sits below the earlier peaks of math and search (forgetting)", f1_forgetting),
+    ("Sequential training is non-monotonic: a domain falls after a later stage and partly recovers", f2_non_monotonic),
+    ("MMOPD and SDFT recover most of the forgotten math and search (≥ 0.8 of the peak)", f3_recovery),
+    ("SDFT pays on the skills learned last (IF and e-commerce below Seq-Final)", f4_sdft_cost),
+    ("Uniform merging keeps early skills, loses the last agentic one, and is the weakest consolidator on agentic tasks",
+     f5_uniform_merge),
+    ("MLE has the most balanced profile (the highest minimum over domains of score ÷ oracle)", f6_balance),
+    ("Oracles specialise and do not transfer", f7_oracles),
+    ("Low-entropy tokens stay ≥ 90% stable across stages; the change is carried by high-entropy tokens", f8_tokens),
+    ("SFT moves the weights several times more than RL does", f9_sft_moves_more),
+]
+
+
+def check_findings(recs, eval_dir, analysis) -> list:
+    """[(number, claim, verdict, the numbers that decide it)] for the nine findings."""
+    m, _ = matrices(recs)
+    out = []
+    for i, (claim, fn) in enumerate(FINDINGS, 1):
+        if fn is f6_balance:
+            ok, text = fn(recs, eval_dir)
+        elif fn in (f8_tokens, f9_sft_moves_more):
+            ok, text = fn(analysis)
+        else:
+            ok, text = fn(recs, m)
+        out.append((i, claim, verdict(ok), text))
+    return out
+
+
+# ----------------------------------------------------------------------------- finding 6's balance
 
 def per_task(eval_dir: str, name: str, domains) -> dict:
     """{domain: (task ids, per-task scores)} of eval_dir/<name>.json's `<domain>/test` benchmarks."""
@@ -77,24 +381,97 @@ def balance_table(res: dict, names: list, claim: str, domains=DOMAINS) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- report.md
+
+def report(runs: str, out: str) -> str:
+    """Write the report of the run in `runs` to `out` (markdown; plots linked relative to it). -> out."""
+    import json
+
+    from evaluate import matrix_table
+    eval_dir = os.path.join(runs, "eval")
+    recs = load_records(eval_dir)
+    if not recs:
+        raise UsageError(f"no evaluation records in {eval_dir}: run evaluate.py (arena.sh step 8) first")
+    apath = os.path.join(runs, "analysis", "analysis.json")
+    analysis = json.load(open(apath)) if os.path.isfile(apath) else None
+    here = os.path.dirname(os.path.abspath(out))
+    rel = lambda p: os.path.relpath(p, here)   # noqa: E731
+    n_tasks = sorted({b["n"] for r in recs.values() for k, b in r["benchmarks"].items() if k.endswith("/test")})
+    seeds = sorted({read_meta(os.path.join(runs, "seq", s)).get("seed") for s in
+                    ("1-math", "2-search", "3-ecommerce", "4-if") if read_meta(os.path.join(runs, "seq", s))} - {None})
+    lines = [f"# ACLArena report: {os.path.basename(os.path.abspath(runs))}", "",
+             f"Generated by `python report.py --runs {runs}` on {time.strftime('%Y-%m-%d %H:%M')}, commit "
+             f"{code_revision()}, {platform.machine()} {platform.system()}, {os.cpu_count()} cores, torch "
+             f"{torch.__version__}. Training seed(s) {seeds or '?'}; {'/'.join(map(str, n_tasks))} `test` tasks per "
+             f"domain, one sampling seed; ± is the standard error over tasks. Every number below is read from the "
+             f"saved results; the criteria are fixed in report.py.", ""]
+    lines += ["## The study's table", "", "In-domain (`test`) and out-of-domain (`ood`) score per domain; the best "
+              "value of each column in bold.", "", study_table(recs), ""]
+    lines += ["## Normalised by each domain's best single checkpoint", "", "The scale-free form in which the tiny "
+              "arena and the study's 8B numbers can be compared; the study's values in italics.", "",
+              normalised_table(recs), ""]
+    m, g = matrices(recs)
+    if m is not None:
+        lines += ["## The accuracy matrix of the sequential run", "", matrix_table(m), ""]
+        if any(x is not None for row in g["matrix"] for x in row):
+            lines += [matrix_table(g), ""]
+    plots = [("accuracy after each stage", os.path.join(eval_dir, "seq_matrix.png")),
+             ("gold log-likelihood after each stage", os.path.join(eval_dir, "seq_matrix_gold.png")),
+             ("PCA of the weight displacements", os.path.join(runs, "analysis", "pca.png")),
+             ("cosines of the displacements", os.path.join(runs, "analysis", "cosine.png")),
+             ("token consistency by entropy", os.path.join(runs, "analysis", "token_consistency.png"))]
+    if os.path.isfile(os.path.join(runs, "mmopd", "acl_meta.json")):
+        import mmopd
+        kl = os.path.join(runs, "analysis", "mmopd_kl.png")
+        try:
+            mmopd.plot([os.path.join(runs, "mmopd")], kl)
+            plots.append(("MMOPD's KL to each teacher", kl))
+        except UsageError:
+            pass
+    shown = [(t, p) for t, p in plots if os.path.isfile(p)]
+    if shown:
+        lines += ["## Plots", ""] + [f"![{t}]({rel(p)})" for t, p in shown] + [""]
+    lines += ["## The study's findings, checked", "", "| # | the study's claim | here | the numbers that decide it |",
+              "|---|---|---|---|"]
+    for i, claim, v, text in check_findings(recs, eval_dir, analysis):
+        lines.append(f"| {i} | {claim} | **{v}** | {text} |")
+    lines += ["", "Each criterion is written in report.py (FINDINGS, one function each) and was fixed before the run."]
+    times = os.path.join(runs, "arena_times.md")
+    if os.path.isfile(times):
+        lines += ["", "## Time per step", "", "```", open(times).read().strip(), "```"]
+    text = "\n".join(lines) + "\n"
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    write_file_atomically(out, write)
+    return out
+
+
 def main(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--balance", action="store_true", help="the balanced-profile finding (the only one so far)")
-    p.add_argument("--eval-dir", default="runs/tiny/eval", help="where evaluate.py saved the records")
-    p.add_argument("--names", nargs="+", default=["seq-4-if", "sdft", "mmopd", "mle"], help="the competing checkpoints")
-    p.add_argument("--extra", nargs="*", default=[], help="checkpoints shown beside them, not competed")
-    p.add_argument("--claim", default="mle", help="the checkpoint the study claims is the most balanced")
-    p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--runs", default="runs/tiny", help="the arena's run directory (its eval/, analysis/, ...)")
+    p.add_argument("--out", default=None, help="where report.md goes (default <runs>/report.md)")
+    p.add_argument("--balance", action="store_true", help="print finding 6's table alone (from --eval-dir)")
+    p.add_argument("--eval-dir", default=None, help="with --balance: where evaluate.py saved the records "
+                                                    "(default <runs>/eval)")
+    p.add_argument("--names", nargs="+", default=["seq-4-if", "sdft", "mmopd", "mle"], help="--balance: the competitors")
+    p.add_argument("--extra", nargs="*", default=[], help="--balance: checkpoints shown beside them, not competed")
+    p.add_argument("--claim", default="mle", help="--balance: the checkpoint the study claims is the most balanced")
+    p.add_argument("--boot", type=int, default=2000, help="--balance: bootstrap resamples")
     a = p.parse_args(argv)
     try:
-        if not a.balance:
-            raise UsageError("say what to check: --balance")
         if a.boot < 100:
             raise UsageError("--boot must be >= 100")
-        res = balance(a.eval_dir, a.names + a.extra, boots=a.boot)
+        if a.balance:
+            res = balance(a.eval_dir or os.path.join(a.runs, "eval"), a.names + a.extra, boots=a.boot)
+            print(balance_table(res, a.names, a.claim))
+        else:
+            if not os.path.isdir(a.runs):
+                raise UsageError(f"no run directory {a.runs}: run arena.sh first")
+            print(f"wrote {report(a.runs, a.out or os.path.join(a.runs, 'report.md'))}")
     except UsageError as e:
         usage_exit(e)
-    print(balance_table(res, a.names, a.claim))
     sys.stdout.flush()
 
 
