@@ -148,3 +148,6 @@ awk -v now="$(date +%s)" '/^# arena.sh started/ {n = 0; delete rows; head = $0; 
     END {print head; for (i = 1; i <= n; i++) {split(rows[i], f, " "); printf "%-24s %6d s\n", f[1], f[2]; sum += f[2]}
     printf "%-24s %6d s (%.1f min)\n", "sum of the steps", sum, sum / 60
     printf "%-24s %6d s (%.1f min)\n", "total (wall)", now - start, (now - start) / 60}' "$TIMES" | tee "$RUNS/arena_times.md"
+# 10. the report: the study's table, the normalised table, the accuracy matrices, the plots, the nine findings
+#    checked, and the time table above -> runs/tiny/report.md (seconds)
+python report.py --runs "$RUNS"
