@@ -13,7 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 export TOKENIZERS_PARALLELISM=false
 ARENA=${ARENA:-tiny}
-RUNS=runs/$ARENA
+QUICK=${QUICK:-0}       # 1: the whole study reduced to a smoke test (a step or two per stage, 10 tasks per split, ~3
+                        # min) in runs/tiny-quick; its numbers mean nothing, it checks that every step runs and connects
+RUNS=${RUNS:-runs/$ARENA$([ "$QUICK" = 1 ] && echo -quick)}
 if [ "$ARENA" = tiny ]; then
     RUN="python"
     SUITE=tiny
@@ -25,6 +27,18 @@ else
 fi
 TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
+# each script's reduction under QUICK=1 (empty otherwise)
+Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
+if [ "$QUICK" = 1 ]; then
+    [ "$ARENA" = tiny ] || { echo "QUICK=1 is for the tiny arena" >&2; exit 2; }
+    Q_SEQ="--steps 1 --prompts 4 --group 2 --rft-prompts search=16,ecommerce=8 --eval-n 2 --max-gen-rounds 1"
+    Q_MERGE="--search-n 4"
+    Q_SDFT="--prompts 32 --group 4 --steps 2"
+    Q_MMOPD="--steps 2 --prompts 2 --group 2"
+    Q_MLE="--steps 1 --prompts 2 --group 2 --router-prompts 16 --router-steps 20"
+    Q_ANALYZE="--n 8"
+    N_EVAL=${N_EVAL:-test=10,ood=5}
+fi
 
 # every step's wall time: `t NAME command...` runs it and appends "NAME seconds" to $TIMES; the table prints at the end
 mkdir -p "$RUNS/logs"
@@ -67,31 +81,36 @@ BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's direct
 #    Qwen3-8B-Base (seconds). `python -m envs.tiny --out runs/tiny/base` rebuilds it (~12.5 min; float
 #    differences between machines give a different base: see the README's base section)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || { mkdir -p "$RUNS" && cp -r assets/tiny-base "$RUNS/base"; }
+# the tiny scripts find the base, the stages and the oracles under $RUNS (their defaults: runs/tiny)
+if [ "$ARENA" = tiny ]; then
+    Q_SEQ="--runs $RUNS --init $RUNS/base $Q_SEQ" Q_SDFT="--runs $RUNS --student $RUNS/base $Q_SDFT"
+    Q_MMOPD="--runs $RUNS $Q_MMOPD" Q_MLE="--runs $RUNS $Q_MLE"
+fi
 # 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~5 min), and
 # 3. the four single-task oracles, each one stage from the base (~5 min), side by side
-seq() { t seq $RUN train_seq.py --preset "$ARENA" $TRAIN_ARGS; }
-oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $TRAIN_ARGS; }
+seq() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS; }
+oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $Q_SEQ $TRAIN_ARGS; }
 lanes seq oracles
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
-t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ --out "$RUNS/analysis/seq"
+t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ --out "$RUNS/analysis/seq" $Q_ANALYZE
 # 5. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
 #    ways; grid and balanced score candidates on each domain's val tasks of the tiny worlds, so they run in
 #    the tiny arena only
 STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # uniform lambda = 1/4 (seconds)
-[ -f "$RUNS/merge/uniform/acl_meta.json" ] || t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform"
+[ -f "$RUNS/merge/uniform/acl_meta.json" ] || t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform" $Q_MERGE
 # the best mean val score on a simplex grid of step 0.5, 11 candidates (~2 min), and the best worst-domain val score
 # relative to the oracles on the same grid (~2 min); then
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
 #    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~3 min)
 merges_mmopd() {
     [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || t merge-grid python merge.py --base "$BASE" \
-        --models "${STAGES[@]}" --search grid --grid-step 0.5 --out "$RUNS/merge/grid"
+        --models "${STAGES[@]}" --search grid --grid-step 0.5 --out "$RUNS/merge/grid" $Q_MERGE
     [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || t merge-balanced python merge.py --base "$BASE" \
         --models "${STAGES[@]}" --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} \
-        --out "$RUNS/merge/balanced"
-    t mmopd $RUN mmopd.py --preset "$ARENA" $TRAIN_ARGS
+        --out "$RUNS/merge/balanced" $Q_MERGE
+    t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS
 }
 # 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
 #    their balanced union, from the base -> runs/tiny/sdft (~1 min); then
@@ -99,12 +118,12 @@ merges_mmopd() {
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
 #    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)
 sdft_mle() {
-    t sdft $RUN sdft.py --preset "$ARENA" $TRAIN_ARGS
-    t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $TRAIN_ARGS
+    t sdft $RUN sdft.py --preset "$ARENA" $Q_SDFT $TRAIN_ARGS
+    t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $Q_MLE $TRAIN_ARGS
 }
 lanes sdft_mle merges_mmopd
 # 7. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
-t analyze python analyze.py --runs "$RUNS" --base "$BASE"
+t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
 # 8. evaluation, 300 tasks per `test` split and 100 per `ood` split (the ood scores sit at the floor, <= 0.02: 100
 #    tasks bound them as well), in two lanes: the base, every stage and oracle, with the accuracy matrix (forgetting,
 #    BWT, FWT, its heatmap in runs/tiny/eval/); and every merge, SDFT, MMOPD and MLE (tag routing), MLE routed by its
