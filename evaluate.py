@@ -240,9 +240,8 @@ def gold_likelihood(model, tok, env, tasks, *, batch: int = 16, max_tokens=MAX_T
     agent token and the fraction of agent tokens that are the model's top-1 prediction; the benchmark's values
     are their means over tasks. Deterministic: no sampling. None when no task has an expert (real data).
     -> {loglik, top1, n, tokens, expert_reward, task_ids, per_task_loglik, per_task_top1}"""
-    from envs.rollout import expert_episodes
     from train_step import micro_batches, pack, pad_id
-    eps = expert_episodes(tok, env, tasks, max_tokens=max_tokens, max_turn_tokens=max_turn_tokens)
+    eps = _expert_episodes(tok, env, tasks, max_tokens, max_turn_tokens)
     if not eps:
         return None
     dev = next(model.parameters()).device
@@ -263,6 +262,25 @@ def gold_likelihood(model, tok, env, tasks, *, batch: int = 16, max_tokens=MAX_T
     return {"loglik": statistics.mean(lls), "top1": statistics.mean(tops), "n": len(eps),
             "tokens": sum(e.n_sampled for e in eps), "expert_reward": statistics.mean(e.reward for e in eps),
             "task_ids": [e.task_id for e in eps], "per_task_loglik": lls, "per_task_top1": tops}
+
+
+_EXPERT = {}
+
+
+def _expert_episodes(tok, env, tasks, max_tokens, max_turn_tokens) -> list:
+    """envs.rollout.expert_episodes, kept per process: every checkpoint of an evaluate.py call is gold-scored on the
+    same expert episodes, whose rendering (a rollout per task through the chat template) costs more than scoring them.
+    Keyed by the tokenizer's vocabulary and template, the environment object, the tasks and the limits."""
+    import hashlib
+
+    from envs.rollout import expert_episodes
+    vocab = hashlib.sha256(json.dumps([sorted(tok.get_vocab().items()), tok.chat_template or ""]).encode()).hexdigest()
+    key = (vocab, id(env), tuple(t.id for t in tasks), max_tokens, max_turn_tokens)
+    if key not in _EXPERT:
+        if len(_EXPERT) >= 64:
+            _EXPERT.clear()
+        _EXPERT[key] = (env, expert_episodes(tok, env, tasks, max_tokens=max_tokens, max_turn_tokens=max_turn_tokens))
+    return _EXPERT[key][1]   # (the env is kept with them, so that its id is not reused while the key lives)
 
 
 def routed_gold(backend, tok, env, items, adapters, ctx):

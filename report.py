@@ -429,7 +429,12 @@ def report(runs: str, out: str) -> str:
         except UsageError:
             pass
     shown = [(t, p) for t, p in plots if os.path.isfile(p)]
-    if shown:
+    if not os.path.abspath(runs).startswith(here + os.sep) and os.path.abspath(runs) != here:
+        # a report kept outside its run (docs/tiny-report.md): its plots are copied beside it (docs/tiny-report/)
+        import shutil
+        folder = os.path.splitext(os.path.abspath(out))[0]
+        os.makedirs(folder, exist_ok=True)
+        shown = [(t, shutil.copyfile(p, os.path.join(folder, os.path.basename(p)))) for t, p in shown]
         lines += ["## Plots", ""] + [f"![{t}]({rel(p)})" for t, p in shown] + [""]
     lines += ["## The study's findings, checked", "", "| # | the study's claim | here | the numbers that decide it |",
               "|---|---|---|---|"]
