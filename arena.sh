@@ -16,6 +16,8 @@ ARENA=${ARENA:-tiny}
 QUICK=${QUICK:-0}       # 1: the whole study reduced to a smoke test (a step or two per stage, 10 tasks per split, ~3
                         # min) in runs/tiny-quick; its numbers mean nothing, it checks that every step runs and connects
 RUNS=${RUNS:-runs/$ARENA$([ "$QUICK" = 1 ] && echo -quick)}
+# evaluate.py names a checkpoint by its path under runs/<name>/ (runs/tiny/seq/1-math -> seq-1-math)
+case "$RUNS" in runs/?*|*/runs/?*) ;; *) echo "RUNS=$RUNS: must be a directory runs/<name> (anywhere)" >&2; exit 2;; esac
 if [ "$ARENA" = tiny ]; then
     RUN="python"
     SUITE=tiny
@@ -32,7 +34,7 @@ Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
 if [ "$QUICK" = 1 ]; then
     [ "$ARENA" = tiny ] || { echo "QUICK=1 is for the tiny arena" >&2; exit 2; }
     Q_SEQ="--steps 1 --prompts 4 --group 2 --rft-prompts search=16,ecommerce=8 --eval-n 2 --max-gen-rounds 1"
-    Q_MERGE="--search-n 4"
+    Q_MERGE="--search-n 20 --grid-step 1.0"
     Q_SDFT="--prompts 32 --group 4 --steps 2"
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
     Q_MLE="--steps 1 --prompts 2 --group 2 --router-prompts 16 --router-steps 20"
@@ -101,7 +103,7 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # uniform lambda = 1/4 (seconds)
 [ -f "$RUNS/merge/uniform/acl_meta.json" ] || t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform" $Q_MERGE
 # the best mean val score on a simplex grid of step 0.5, 11 candidates (~2 min), and the best worst-domain val score
-# relative to the oracles on the same grid (~2 min); then
+# relative to the oracles on the same candidates (their val scores reused: ~20 s); then
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
 #    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~3 min)
 merges_mmopd() {
@@ -109,7 +111,7 @@ merges_mmopd() {
         --models "${STAGES[@]}" --search grid --grid-step 0.5 --out "$RUNS/merge/grid" $Q_MERGE
     [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || t merge-balanced python merge.py --base "$BASE" \
         --models "${STAGES[@]}" --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} \
-        --out "$RUNS/merge/balanced" $Q_MERGE
+        --scores-from "$RUNS/merge/grid" --out "$RUNS/merge/balanced" $Q_MERGE
     t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS
 }
 # 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
@@ -132,15 +134,15 @@ t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
 N_EVAL=${N_EVAL:-test=300,ood=100}
 [ "$ARENA" = tiny ] || N_EVAL=""
 eval_runs() {
-    t evaluate-runs python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS \
+    t evaluate-runs python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$RUNS/eval" \
         --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
     cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
 }
 eval_consolidators() {
     t evaluate-consolidators python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
-        $EVAL_ARGS --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
+        $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
     t evaluate-mle-learned python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
-        $EVAL_ARGS --ckpt "$RUNS/mle" --router learned
+        $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
     [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --suite tiny --mixed only --n "$N_EVAL" \
         --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
         "$RUNS/mle" --router learned

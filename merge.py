@@ -42,6 +42,7 @@ from common import (
     Parser,
     check_output,
     is_checkpoint,
+    read_meta,
     read_tensor,
     same_tensors,
     tensor_infos,
@@ -223,10 +224,10 @@ def search_weights(a, files) -> tuple:
         skipped = [d for d, v in oracle.items() if v <= 0]
         if skipped:
             print(f"balanced search: oracle score 0 on {', '.join(skipped)}; those domains are left out of the min")
+    tried = reused_candidates(a, oracle) if a.scores_from else []
     scratch = os.path.join(os.path.dirname(os.path.abspath(a.out)), f".search-{os.path.basename(a.out)}-{os.getpid()}")
-    tried = []
     try:
-        for i, lam in enumerate(simplex_grid(len(a.models), a.grid_step), 1):
+        for i, lam in enumerate([] if tried else simplex_grid(len(a.models), a.grid_step), 1):
             t0 = time.time()
             write_merge(a.base, a.models, lam, a.method, scratch, a.density, a.seed, files=files)
             scores = val_scores(scratch, tasks, a.domains, a.batch)
@@ -242,6 +243,35 @@ def search_weights(a, files) -> tuple:
     top = max(obj for _, _, obj in tried)
     best = next(x for x in tried if x[2] >= top - 1e-9)
     return list(best[0]), tried, oracle
+
+
+# The settings that decide a candidate's val scores: a merge searched with the same ones scored the same candidates.
+SCORE_SETTINGS = ("base", "models", "method", "density", "seed", "grid_step", "search_n", "batch", "domains")
+
+
+def check_scores_from(a):
+    """--scores-from DIR: UsageError (before any work) unless DIR is a searched merge (grid or balanced) whose
+    candidates were scored with this search's SCORE_SETTINGS."""
+    meta = read_meta(a.scores_from)
+    if a.search not in ("grid", "balanced") or not meta.get("candidates"):
+        raise UsageError(f"--scores-from {a.scores_from}: needs --search grid|balanced and a searched merge there "
+                         f"(candidates in its acl_meta.json)")
+    cfg, mine = meta.get("config") or {}, vars(a)
+    norm = lambda k, v: [os.path.abspath(x) for x in v] if k == "models" else os.path.abspath(v) if k == "base" else v  # noqa: E731
+    diff = [k for k in SCORE_SETTINGS if norm(k, cfg.get(k)) != norm(k, mine.get(k))]
+    if diff:
+        raise UsageError(f"--scores-from {a.scores_from} was searched with other {', '.join(diff)}: its scores are not "
+                         f"this search's")
+
+
+def reused_candidates(a, oracle) -> list:
+    """--scores-from DIR: the candidates the search in DIR scored, re-ranked by this search's objective: the grid and
+    balanced searches score the same candidates on the same val tasks and seeds (check_scores_from checked the
+    settings), so the second needs none of its own."""
+    out = [(c["weights"], c["scores"], objective(c["scores"], a.search, oracle))
+           for c in read_meta(a.scores_from)["candidates"]]
+    print(f"{len(out)} candidates' val scores reused from {a.scores_from}", flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------- command line
@@ -264,6 +294,8 @@ def parse_args(argv=None):
     p.add_argument("--oracles", nargs="+", default=None, help="balanced search: one oracle checkpoint per domain")
     p.add_argument("--grid-step", type=float, default=0.25, help="grid/balanced search: simplex grid step")
     p.add_argument("--search-n", type=int, default=50, help="grid/balanced search: val tasks per domain")
+    p.add_argument("--scores-from", default=None, metavar="DIR", help="grid/balanced search: reuse the candidates' val "
+                   "scores of the merge in DIR, searched with the same settings (arena.sh: balanced reuses grid's)")
     p.add_argument("--batch", type=int, default=64, help="search: rollout batch size")
     p.add_argument("--shard-gb", type=float, default=2.0, help="output shard size in GB")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -291,6 +323,8 @@ def parse_args(argv=None):
                 raise UsageError("--search-n must be >= 1")
         if a.search == "balanced" and (not a.oracles or len(a.oracles) != len(a.domains)):
             raise UsageError("--search balanced needs --oracles, one checkpoint per domain")
+        if a.scores_from:
+            check_scores_from(a)
         a.files = check_inputs(a.base, a.models)
         for ckpt in a.oracles or []:
             if not is_checkpoint(ckpt):

@@ -240,6 +240,9 @@ def f6_balance(recs, eval_dir, names=("seq-4-if", "sdft", "mmopd", "mle"), claim
     """6. MLE has the most balanced profile (the module docstring's criterion)."""
     if not all(n in recs for n in names) or not all(f"oracle-{d}" in recs for d in DOMAINS):
         return None, "needs Seq-Final, SDFT, MMOPD, MLE and the four oracles"
+    zero = [d for d in DOMAINS if not cell(recs[f"oracle-{d}"], d)[0]]
+    if zero:
+        return None, f"the {', '.join(zero)} oracle scores 0 on its own tasks: no ratio to it"
     res = balance(eval_dir, list(names))
     table = balance_table(res, list(names), claim)
     v = table.split("**")[-2] if "**" in table else None
@@ -435,6 +438,7 @@ def report(runs: str, out: str) -> str:
         folder = os.path.splitext(os.path.abspath(out))[0]
         os.makedirs(folder, exist_ok=True)
         shown = [(t, shutil.copyfile(p, os.path.join(folder, os.path.basename(p)))) for t, p in shown]
+    if shown:
         lines += ["## Plots", ""] + [f"![{t}]({rel(p)})" for t, p in shown] + [""]
     lines += ["## The study's findings, checked", "", "| # | the study's claim | here | the numbers that decide it |",
               "|---|---|---|---|"]

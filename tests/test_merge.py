@@ -236,6 +236,18 @@ def test_grid_and_balanced_pick_their_own_winners(ckpts, tmp_path, monkeypatch):
         else:
             assert objectives == {(0.5, 0.5): 0.5, (0.0, 1.0): 0.0, (1.0, 0.0): 0.0}
             assert meta["oracle_val"] == {"math": 1.0, "if": 0.5}
+    # balanced on the grid's scores (--scores-from): no candidate scored again, the same winner and objectives
+    monkeypatch.setattr(merge, "val_scores", lambda ckpt, *a: fake_scores(ckpt, *a) if ckpt in models else 1 / 0)
+    merge.main(["--base", base, "--models", *models[:2], "--search", "balanced", "--domains", "math,if", "--grid-step",
+                "0.5", "--search-n", "2", "--oracles", *models[:2], "--scores-from", str(tmp_path / "grid"),
+                "--out", str(tmp_path / "reused")])
+    reused = json.loads((tmp_path / "reused" / "acl_meta.json").read_text())
+    assert reused["merge"]["weights"] == [0.5, 0.5] and reused["candidates"] == meta["candidates"]
+    with pytest.raises(SystemExit):   # scored with another grid: refused before any work
+        merge.main(["--base", base, "--models", *models[:2], "--search", "balanced", "--domains", "math,if",
+                    "--grid-step", "1.0", "--search-n", "2", "--oracles", *models[:2], "--scores-from",
+                    str(tmp_path / "grid"), "--out", str(tmp_path / "other")])
+    assert not (tmp_path / "other").exists()
 
 
 def test_search_ties_go_to_the_first_candidate(ckpts, tmp_path, monkeypatch):

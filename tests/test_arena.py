@@ -1,0 +1,68 @@
+"""arena.sh end to end at toy size (QUICK=1, ~3 min on 2 cores): every step runs and connects, the report has every
+row, column and finding; killed in the middle of a step and run again, it ends with the same report numbers."""
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def arena(runs, **kw):
+    env = dict(os.environ, QUICK="1", RUNS=str(runs), TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(["bash", "arena.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, **kw)
+
+
+def numbers(text: str) -> list:
+    """The report's tables and findings, without what differs between runs by design (the date, the commit, times)."""
+    body = text.split("## Time per step")[0]
+    return [line for line in body.splitlines() if line.startswith("|") or line.startswith("BWT")]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("arena") / "runs" / "tiny-quick"
+    p = arena(runs)
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-4000:]
+    return runs, out
+
+
+def test_quick_arena_runs_every_step_and_reports(quick):
+    runs, out = quick
+    steps = {line.split()[0] for line in open(runs / "arena_times.md") if re.match(r"^[a-z-]+ +\d+ s$", line.strip())}
+    assert {"seq", "oracles", "analyze-seq", "merge-uniform", "merge-grid", "merge-balanced", "sdft", "mle", "mmopd",
+            "analyze", "evaluate-runs", "evaluate-consolidators", "evaluate-mle-learned", "evaluate-mixed"} <= steps
+    text = open(runs / "report.md").read()
+    for row in report.ROWS:
+        assert f"| {row} |" in text, row
+    for col in ("math in", "math ood", "search in", "search ood", "ecommerce in", "ecommerce ood", "if in", "if ood"):
+        assert col in text
+    found = re.findall(r"^\| (\d) \| .* \| \*\*(holds|does not hold|not measurable here)\*\* \|", text, re.M)
+    assert [int(i) for i, _ in found] == list(range(1, 10)), found
+    assert "total (wall)" in text and "![accuracy after each stage](eval/seq_matrix.png)" in text
+
+
+def test_a_killed_arena_resumes_to_the_same_report(quick, tmp_path):
+    runs, _ = quick
+    again = tmp_path / "runs" / "tiny-quick"
+    p = arena(again)
+    t0 = time.time()
+    while time.time() - t0 < 600:   # kill it while MMOPD trains (lane B, after the merges)
+        line = p.stdout.readline()
+        if "mmopd: started" in line or not line:
+            break
+    time.sleep(2)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (again / "report.md").exists()
+    p = arena(again)
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-4000:]
+    assert numbers(open(again / "report.md").read()) == numbers(open(runs / "report.md").read())
