@@ -7,6 +7,7 @@ Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs
 single process and every collective below is a no-op.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -467,16 +468,13 @@ def drop_train_state(out: str):
             os.remove(recipe)
 
 
-class _single_process_quiet:
+@contextlib.contextmanager
+def _single_process_quiet():
     """DCP in one process warns that it "assumes the intent is to load in a single process": it is the intent."""
-    def __enter__(self):
-        import warnings
-        self.w = warnings.catch_warnings()
-        self.w.__enter__()
+    import warnings
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-    def __exit__(self, *exc):
-        self.w.__exit__(*exc)
+        yield
 
 
 def code_revision() -> str:

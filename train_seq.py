@@ -72,15 +72,7 @@ from common import (
 )
 from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
 from envs.base import UsageError
-from envs.rollout import (
-    ServiceError,
-    check_install,
-    check_user_errors,
-    expert_episodes,
-    make_backend,
-    push_weights,
-    saved_episodes,
-)
+from envs.rollout import ServiceError, check_user_errors, expert_episodes, make_backend, push_weights, saved_episodes
 from evaluate import evaluate_inrun, inrun_path
 from scale import dry_run
 from train_step import (
@@ -523,6 +515,7 @@ def evaluate_finished(out, a, device):
 
 def main(argv=None):
     if "--check-install" in (sys.argv[1:] if argv is None else argv):   # before any flag is checked
+        from envs.rollout import check_install
         sys.exit(1 if check_install() else 0)
     a = get_args(argv)
     try:

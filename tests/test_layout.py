@@ -34,7 +34,9 @@ def test_the_method_files_stay_readable_in_size():
     """train_seq.py under ~570 lines (480 after the issue that made train_step.py; issue 17 added the authors' expert
     cold start, GSPO and per-domain rates; issue 20 split its GRPO flags out for mle.py, and its expert-records reader
     moved to envs/rollout.py), each shared module under ~600 (train_step.py passed it with teacher scoring: the
-    --dry-run part moved to scale.py)."""
+    --dry-run part moved to scale.py), common.py under ~700 (issue 22 added what an 8B run needs from plumbing:
+    sharded resume states through torch.distributed.checkpoint, bf16 checkpoints, W&B logging, the process-group
+    timeout)."""
     def n(name):
         return sum(1 for _ in open(os.path.join(ROOT, name)))
-    assert n("train_seq.py") <= 570 and n("common.py") <= 600 and n("train_step.py") <= 600 and n("scale.py") <= 600
+    assert n("train_seq.py") <= 570 and n("common.py") <= 700 and n("train_step.py") <= 600 and n("scale.py") <= 600
