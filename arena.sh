@@ -53,10 +53,13 @@ echo "# arena.sh started $(date '+%Y-%m-%d %H:%M:%S') at $(git rev-parse --short
 LANES=${LANES:-2}
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
+STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle analyze evaluate-runs
+       evaluate-consolidators evaluate-mle-learned evaluate-mixed)
 t() {
-    local name=$1 s rc=0; shift; s=$(date +%s)
+    local name=$1 s rc=0 i n=0; shift; s=$(date +%s)
+    for i in "${!STEPS[@]}"; do [ "${STEPS[$i]}" = "$name" ] && n=$((i + 1)); done
+    echo "[$(date +%H:%M:%S)] [$n/${#STEPS[@]}] $name: started$([ "$LANES" -gt 1 ] && echo " (log: $RUNS/logs/$name.log)")"
     if [ "$LANES" -gt 1 ]; then
-        echo "[$(date +%H:%M:%S)] $name: started (log: $RUNS/logs/$name.log)"
         "$@" > "$RUNS/logs/$name.log" 2>&1 || rc=$?
         [ $rc = 0 ] || { echo "[$(date +%H:%M:%S)] $name FAILED (exit $rc); its log ends:"; tail -n 20 "$RUNS/logs/$name.log"; }
     else

@@ -251,12 +251,19 @@ def test_divergence_stops_saves_nothing_nonfinite_and_is_not_continued(micro_bas
         train_seq.main(args)
     msg = str(e.value.code)
     assert msg.startswith("error: [seq/1-math] GRPO step ") and "non-finite" in msg and "\n" not in msg
-    for d, _, files in os.walk(runs):   # nothing non-finite on disk: resume states and checkpoints
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    states = []
+    for d, _, files in os.walk(runs):   # nothing non-finite on disk: resume states (DCP) and checkpoints
         for f in files:
             p = os.path.join(d, f)
-            tensors = load_file(p).values() if f.endswith(".safetensors") else \
-                torch.load(p, weights_only=True)["model"].values() if f.endswith(".pt") else []
+            if f == ".metadata":   # a resume state: its shards as one state dict
+                states.append(d)
+                dcp_to_torch_save(d, str(tmp_path / "state.pt"))
+                tensors = torch.load(tmp_path / "state.pt", weights_only=False)["model"].values()
+            else:
+                tensors = load_file(p).values() if f.endswith(".safetensors") else []
             assert all(torch.isfinite(t).all() for t in tensors if t.is_floating_point()), p
+    assert len(states) == 1   # the state saved before the divergence was read too
     r = run_cli(args)
     assert r.returncode == 2 and "diverged in an earlier run" in r.stderr
 
