@@ -152,16 +152,17 @@ eval_consolidators() {
 }
 lanes eval_runs eval_consolidators
 # 9. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
-#    like step 8 (its base row is step 8's), then the accuracy matrices as mean ± std over training seeds
-#    (~17 min a seed)
+#    like step 8 (its base row is step 8's) -> runs/tiny-seed<s>, then the accuracy matrices as mean ± std over
+#    training seeds, which the report includes (~12 min a seed)
 if [ "$ARENA" = tiny ] && [ "$SEEDS" -gt 1 ]; then
     unset OMP_NUM_THREADS   # one run at a time here, at torch's default threads
     ALL=("$RUNS")
     for s in $(seq 1 $((SEEDS - 1))); do
-        R=runs/tiny-seed$s
-        python train_seq.py --preset tiny --seed "$s" --runs "$R" --init "$RUNS/base" $TRAIN_ARGS
+        R=$RUNS-seed$s
+        python train_seq.py --preset tiny $Q_SEQ --seed "$s" --runs "$R" --init "$RUNS/base" $TRAIN_ARGS
         mkdir -p "$R/eval" && cp "$RUNS/eval/base.json" "$R/eval/base.json"
-        python evaluate.py --suite tiny $EVAL_ARGS --ckpt "$R"/seq/[0-9]-{math,search,ecommerce,if} | tee "$R/scores.md"
+        python evaluate.py --suite tiny ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$R/eval" \
+            --ckpt "$R"/seq/[0-9]-{math,search,ecommerce,if} | tee "$R/scores.md"
         ALL+=("$R")
     done
     python evaluate.py --across "${ALL[@]}" | tee "$RUNS/scores_seeds.md"

@@ -19,6 +19,7 @@ draws each domain's tasks once, for all checkpoints and the oracle alike). The c
 another has the highest B; first without that margin is "not shown".
 """
 import argparse
+import glob
 import os
 import platform
 import sys
@@ -418,6 +419,15 @@ def report(runs: str, out: str) -> str:
         lines += ["## The accuracy matrix of the sequential run", "", matrix_table(m), ""]
         if any(x is not None for row in g["matrix"] for x in row):
             lines += [matrix_table(g), ""]
+    seeds_runs = sorted(d for d in glob.glob(os.path.abspath(runs).rstrip(os.sep) + "-seed[0-9]*")
+                        if os.path.isfile(os.path.join(d, "eval", "seq_matrix.json")))
+    if seeds_runs and os.path.isfile(os.path.join(eval_dir, "seq_matrix.json")):   # SEEDS > 1 (arena.sh step 9)
+        from evaluate import across_seeds
+        lines += [f"## The sequential run over {1 + len(seeds_runs)} training seeds", "",
+                  "The same recipe from the same base, training seeds 0 and " +
+                  ", ".join(d.rsplit("-seed", 1)[1] for d in seeds_runs) + " (" + ", ".join(
+                      os.path.basename(d) for d in seeds_runs) + "); ± is the std over the seeds.", "",
+                  across_seeds([runs, *seeds_runs]), ""]
     plots = [("accuracy after each stage", os.path.join(eval_dir, "seq_matrix.png")),
              ("gold log-likelihood after each stage", os.path.join(eval_dir, "seq_matrix_gold.png")),
              ("PCA of the weight displacements", os.path.join(runs, "analysis", "pca.png")),

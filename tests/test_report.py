@@ -132,3 +132,21 @@ def test_report_says_what_it_cannot_measure(run):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "report.py"), "--runs", str(run / "nope")],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: no run directory")
+
+
+def test_report_adds_the_training_seeds_matrices(run):
+    """With SEEDS > 1 (runs/<arena>-seed<s> beside the run, each with its accuracy matrix), the report adds the
+    matrices as mean ± std over the training seeds."""
+    import shutil
+
+    from evaluate import save_results
+    seed1 = run.parent / (run.name + "-seed1")
+    shutil.copytree(run / "eval", seed1 / "eval")
+    for d, r in ((run, 0.6), (seed1, 0.4)):   # seed 1's math stage learned less
+        full_record(d / "eval" / "seq-1-math.json", dict(zip(ALL, (r, 0.1, 0.1, 0.1))))
+        recs = report.load_records(str(d / "eval"))
+        m, _ = report.matrices(recs)
+        save_results(str(d / "eval" / "seq_matrix.json"), m)
+    text = open(report.report(str(run), str(run / "report.md"))).read()
+    assert "## The sequential run over 2 training seeds" in text and "mean ± std over 2 training seeds" in text
+    assert "| seq-1-math | 0.500 ± 0.141 |" in text
