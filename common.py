@@ -403,6 +403,15 @@ def barrier():
         dist.barrier()
 
 
+def _trainable_only(model, msd: dict) -> tuple:
+    """(the entries of state dict msd that train, whether some weights are frozen): a LoRA run's backbone never
+    changes, so its resume state holds the adapter alone."""
+    if all(p.requires_grad for p in model.parameters()):
+        return msd, False
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in msd.items() if k in trainable}, True
+
+
 def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = None):
     """Everything needed to resume training beside the checkpoint, as a torch.distributed.checkpoint directory: every
     rank writes its own shards of the model and optimizer state (no gather to one process: at 8B the full fp32 state
@@ -412,9 +421,7 @@ def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = N
     into a temporary directory, renamed when whole. Every rank must call it."""
     import torch.distributed.checkpoint as dcp
     msd, osd = get_state_dict(model, opt)   # sharded (DTensor) under FSDP2, plain tensors otherwise
-    if any(not p.requires_grad for p in model.parameters()):
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        msd = {k: v for k, v in msd.items() if k in trainable}
+    msd, _ = _trainable_only(model, msd)
     tmp = f"{path}.tmp-{broadcast_object(os.getpid())}"   # one temporary name for all ranks
     if rank() == 0:
         if recipe is not None:
@@ -443,10 +450,7 @@ def load_train_state(path: str, model, opt) -> dict:
     rank reads the parts of the shards it now holds); returns `extra`. Every rank must call it."""
     import torch.distributed.checkpoint as dcp
     msd, osd = get_state_dict(model, opt)   # the layout to fill (the optimizer's state is initialised if empty)
-    partial = any(not p.requires_grad for p in model.parameters())   # saved without the frozen weights
-    if partial:
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        msd = {k: v for k, v in msd.items() if k in trainable}
+    msd, partial = _trainable_only(model, msd)   # saved without the frozen weights
     with _single_process_quiet():
         dcp.load(dict(model=msd, optim=osd), checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=StateDictOptions(strict=not partial))

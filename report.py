@@ -245,10 +245,9 @@ def f6_balance(recs, eval_dir, names=("seq-4-if", "sdft", "mmopd", "mle"), claim
     if zero:
         return None, f"the {', '.join(zero)} oracle scores 0 on its own tasks: no ratio to it"
     res = balance(eval_dir, list(names))
-    table = balance_table(res, list(names), claim)
-    v = table.split("**")[-2] if "**" in table else None
+    v = balance_verdict(res, list(names), claim)[0]
     ok = {"holds": True, "does not hold": False}.get(v, None)
-    return ok, ("not shown: " if v and v.startswith("not shown") else "") + ", ".join(
+    return ok, ("not shown: " if v.startswith("not shown") else "") + ", ".join(
         f"{n} {res[n]['min']:.2f} ± {res[n]['boot'].std().item():.2f}" for n in names)
 
 
@@ -365,6 +364,17 @@ def balance(eval_dir: str, names: list, domains=DOMAINS, boots: int = 2000, seed
     return out
 
 
+def balance_verdict(res: dict, names: list, claim: str) -> tuple:
+    """The claim's verdict (the module docstring's rule) -> (verdict, the runner-up or the leader it is compared
+    with, the 95% bootstrap interval of the claim's balance minus that one's, the names ranked by balance)."""
+    ranked = sorted(names, key=lambda n: -res[n]["min"])
+    best, other = ranked[0], ranked[1] if ranked[0] == claim else ranked[0]
+    diff = res[claim]["boot"] - res[other]["boot"]
+    lo, hi = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    verdict = "does not hold" if best != claim else "holds" if lo > 0 else "not shown (first, but the interval holds 0)"
+    return verdict, other, lo, hi, ranked
+
+
 def balance_table(res: dict, names: list, claim: str, domains=DOMAINS) -> str:
     """The markdown table and the verdict on the claim."""
     lines = ["| checkpoint | " + " | ".join(f"{d} / oracle" for d in domains) + " | min (balance) ± bootstrap SE |",
@@ -372,13 +382,9 @@ def balance_table(res: dict, names: list, claim: str, domains=DOMAINS) -> str:
     for n, v in res.items():
         lines.append(f"| {n} | " + " | ".join(f"{v['ratio'][d]:.2f}" for d in domains) +
                      f" | {v['min']:.2f} ± {v['boot'].std().item():.2f} |")
-    ranked = sorted(names, key=lambda n: -res[n]["min"])
     if claim not in names:
         return "\n".join(lines)
-    best, other = ranked[0], ranked[1] if ranked[0] == claim else ranked[0]
-    diff = res[claim]["boot"] - res[other]["boot"]
-    lo, hi = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    verdict = "does not hold" if best != claim else "holds" if lo > 0 else "not shown (first, but the interval holds 0)"
+    verdict, other, lo, hi, ranked = balance_verdict(res, names, claim)
     lines.append(f"\n{claim} − {other} (balance, paired bootstrap): {res[claim]['min'] - res[other]['min']:+.2f}, 95% "
                  f"interval [{lo:+.2f}, {hi:+.2f}]. The claim (the most balanced profile): **{verdict}** here ({claim} "
                  f"ranks {ranked.index(claim) + 1} of {len(names)}).")
