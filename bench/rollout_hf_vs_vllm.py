@@ -35,7 +35,7 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=4, help="samples per task")
     p.add_argument("--max-tokens", type=int, default=1024, help="token limit per episode")
     p.add_argument("--max-turn-tokens", type=int, default=256, help="token limit per turn")
-    p.add_argument("--batch", type=int, default=128, help="hf: sequences per decode batch")
+    p.add_argument("--batch", type=int, default=256, help="sequences per decode batch, both sides (vllm: max_num_seqs)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the hf side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sides", default="both", choices=["both", "hf", "vllm"],
@@ -56,7 +56,7 @@ def main(argv=None):
     sides = {"hf": lambda: HFBackend(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok,
                                      a.batch),
              "vllm": lambda: VLLMBackend(path, tok, dtype="float32", max_model_len=a.max_tokens, seed=a.seed,
-                                         max_batch=max(a.batch, 256))}
+                                         max_batch=a.batch)}
     sides = {k: v for k, v in sides.items() if a.sides in ("both", k)}
     rows = {}
     for side, make in sides.items():

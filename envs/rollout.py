@@ -92,6 +92,35 @@ def _layer_kv(cache, layer: int) -> tuple:
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
+def _preallocated_cache(n_layers: int, capacity: int):
+    """A transformers Cache whose layers write each step's keys and values into buffers of `capacity` positions
+    allocated at the first update, and hand attention a view of the filled part: the stock DynamicCache
+    concatenates the whole cache at every decode step (a copy that grows with the sequence)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class Preallocated(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            n, q = (self.keys.shape[-2] if self.is_initialized else 0), key_states.shape[-2]
+            if not self.is_initialized:
+                self.is_initialized, self.device = True, key_states.device
+                B, H, _, D = key_states.shape
+                self.kbuf = key_states.new_empty((B, H, max(capacity, q), D))
+                self.vbuf = value_states.new_empty((B, value_states.shape[1], max(capacity, q), value_states.shape[-1]))
+            if n + q > self.kbuf.shape[-2]:
+                raise ValueError(f"KV cache capacity {self.kbuf.shape[-2]} exceeded ({n} + {q})")
+            self.kbuf[:, :, n: n + q], self.vbuf[:, :, n: n + q] = key_states, value_states
+            self.keys, self.values = self.kbuf[:, :, : n + q], self.vbuf[:, :, : n + q]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices):
+            if self.is_initialized:
+                n = self.keys.shape[-2]
+                self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+                self.keys, self.values = self.kbuf[:, :, :n], self.vbuf[:, :, :n]
+
+    return Cache(layers=[Preallocated() for _ in range(n_layers)])
+
+
 class HFBackend:
     """A transformers model behind a short decode loop: batched (left-padded, positions from the mask),
     KV cache, one prefill per distinct prompt, multinomial sampling from the full distribution (no top-k,
@@ -181,14 +210,12 @@ class HFBackend:
         and its KV cache copied to its samples (or, with `found`, each prompt's kept prefix loaded and only the rest
         prefilled: _prefill_on_kept), rows leave the batch (and the cache) as soon as they hit a stop token, and only
         the sampled token's log-prob is kept. keep: a dict that receives each stopped row's cache (None: not kept)."""
-        from transformers import DynamicCache
         dev = next(self.model.parameters()).device
-        cache = DynamicCache()
-        kv = {cache_kwarg(self.model): cache}
         if found:
-            logits, attn, pos = self._prefill_on_kept(prompts, found, cache, kv, dev)
+            cache, logits, attn, pos = self._prefill_on_kept(prompts, found, max_new_tokens, dev)
         else:
-            logits, attn, pos = self._prefill(prompts, cache, kv, dev)
+            cache, logits, attn, pos = self._prefill(prompts, max_new_tokens, dev)
+        kv = {cache_kwarg(self.model): cache}
         live = torch.arange(len(prompts), device=dev)                   # (b,) which prompt each live row is
         toks = [[] for _ in prompts]
         lps = [[] for _ in prompts]
@@ -197,9 +224,14 @@ class HFBackend:
         greedy = temperature <= 0
         for step in range(max_new_tokens):
             logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), -1)     # (b, V)
-            if torch.isnan(logp).any():   # weights that diverged: say so, rather than fail in torch.multinomial
+            if torch.isnan(logp).any():   # weights that diverged: say so, rather than fail while sampling
                 raise FloatingPointError("non-finite logits while sampling: the weights have diverged")
-            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1).squeeze(-1)  # (b,)
+            if greedy:
+                nxt = logp.argmax(-1)                                                          # (b,)
+            else:   # inverse CDF: the first token whose cumulative probability exceeds u ~ U[0, total); a token of
+                cdf = logp.exp().cumsum(-1)   # probability 0 is never drawn. (torch.multinomial draws the same
+                u = torch.rand(cdf.size(0), 1, device=dev) * cdf[:, -1:]   # distribution, ~12x slower on a CPU)
+                nxt = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.size(-1) - 1)
             nxt_lp = logp.gather(-1, nxt[:, None]).squeeze(-1)                                # (b,)
             done = torch.isin(nxt, stops)
             for i, t, lp, d in zip(live.tolist(), nxt.tolist(), nxt_lp.tolist(), done.tolist()):
@@ -224,9 +256,9 @@ class HFBackend:
                                 **kv).logits[:, -1]
         return [Generation(t, lp, st) for t, lp, st in zip(toks, lps, stopped)]
 
-    def _prefill(self, prompts, cache, kv, dev):
-        """Every distinct prompt prefilled once (left-padded) and its cache rows copied to its samples.
-        -> last logits (B, V), attention mask (B, T), each row's last position (B,)."""
+    def _prefill(self, prompts, room, dev):
+        """Every distinct prompt prefilled once (left-padded) and its cache rows copied to its samples; the cache has
+        `room` positions left for decoding. -> cache, last logits (B, V), attention mask (B, T), last positions (B,)."""
         uniq, row_of = [], {}
         src = []                                                       # prompt i -> its row among uniq
         for p in prompts:
@@ -244,27 +276,54 @@ class HFBackend:
             attn[i, T - len(p):] = 1
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (U, T) positions ignore the padding
+        cache = _preallocated_cache(self.model.config.num_hidden_layers, T + room)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                            **kv).logits[:, -1]                         # (U, V)
+                            **{cache_kwarg(self.model): cache}).logits[:, -1]                    # (U, V)
         rows = torch.tensor(src, device=dev)                            # (B,) live row -> uniq row
         if len(uniq) != len(prompts) or src != list(range(len(src))):
             cache.batch_select_indices(rows)
-        return logits[rows], attn[rows], pos[rows, -1]                  # (B, V), (B, T), (B,)
+        return cache, logits[rows], attn[rows], pos[rows, -1]           # (B, V), (B, T), (B,)
 
-    def _prefill_on_kept(self, prompts, found, cache, kv, dev):
-        """Each prompt's kept prefix cache loaded (left-padded to the longest), then only the rest of the prompt (the
-        environment's reply, left-padded) prefilled onto it; padding in the middle is masked out and positions come
-        from the mask, so each row computes what a full prefill of its prompt would. -> as _prefill."""
-        Lc = max(n for n, _ in found)
+    def _prefill_on_kept(self, prompts, found, room, dev):
+        """Each prompt's kept prefix cache loaded and only the rest of the prompt (the environment's reply) prefilled
+        onto it. Rows are prefilled in groups by the length of that rest (powers of two), so that a group pads its
+        replies to its own longest and not to the batch's (that halved the attention work of an e-commerce turn);
+        the groups' caches are then laid side by side, left-padded to the longest, into one cache with `room`
+        positions left for decoding. -> as _prefill."""
         rest = [p[n:] for p, (n, _) in zip(prompts, found)]
-        Ls = max(len(r) for r in rest)
-        B = len(prompts)
+        groups = {}
+        for b, r in enumerate(rest):
+            groups.setdefault((len(r) - 1).bit_length(), []).append(b)
+        parts = [(rows, *self._prefill_group([rest[b] for b in rows], [found[b] for b in rows], dev))
+                 for rows in groups.values()]
+        B, T, n_layers = len(prompts), max(p[2].size(1) for p in parts), self.model.config.num_hidden_layers
+        attn = torch.zeros((B, T), dtype=torch.long, device=dev)
+        logits = torch.empty((B, parts[0][1].size(-1)), dtype=parts[0][1].dtype, device=dev)
+        pos = torch.empty(B, dtype=torch.long, device=dev)
+        kv = [[x.new_zeros((B, x.shape[1], T, x.shape[-1])) for x in _layer_kv(parts[0][4], l)] for l in range(n_layers)]
+        for rows, lg, a, last, c in parts:
+            r, t = torch.tensor(rows, device=dev), a.size(1)
+            attn[r, T - t:], logits[r], pos[r] = a, lg, last
+            for l in range(n_layers):
+                for full, x in zip(kv[l], _layer_kv(c, l)):
+                    full[r, :, T - t:] = x
+        cache = _preallocated_cache(n_layers, T + room)
+        for l, (k, v) in enumerate(kv):
+            cache.update(k, v, l)
+        return cache, logits, attn, pos
+
+    def _prefill_group(self, rest, found, dev):
+        """The prefixes' kept caches loaded (left-padded to the longest), then `rest` (left-padded) prefilled onto
+        them; padding in the middle is masked out and positions come from the mask, so each row computes what a full
+        prefill of its prompt would. -> last logits (b, V), attention mask (b, Lc + Ls), last positions (b,), cache."""
+        Lc, Ls, B = max(n for n, _ in found), max(len(r) for r in rest), len(rest)
         attn = torch.zeros((B, Lc + Ls), dtype=torch.long)
         ids = torch.full((B, Ls), self.tok.pad_token_id, dtype=torch.long)
         for b, ((n, _), r) in enumerate(zip(found, rest)):
             attn[b, Lc - n: Lc] = 1
             attn[b, Lc + Ls - len(r):] = 1
             ids[b, Ls - len(r):] = torch.tensor(r)
+        cache = _preallocated_cache(len(found[0][1]), Lc + Ls)
         for layer in range(len(found[0][1])):
             k0, v0 = found[0][1][layer]
             keys = torch.zeros((B, k0.size(0), Lc, k0.size(-1)), dtype=k0.dtype, device=dev)
@@ -275,8 +334,8 @@ class HFBackend:
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (B, Lc + Ls)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos[:, Lc:], use_cache=True,
-                            logits_to_keep=1, **kv).logits[:, -1]       # (B, V)
-        return logits, attn, pos[:, -1]
+                            logits_to_keep=1, **{cache_kwarg(self.model): cache}).logits[:, -1]   # (B, V)
+        return logits, attn, pos[:, -1], cache
 
 
 VLLM_MIN = "0.10.2"   # the V1 engine in-process, collective_rpc, logprobs_mode, LoRARequest by path
