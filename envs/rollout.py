@@ -121,6 +121,65 @@ def _preallocated_cache(n_layers: int, capacity: int):
     return Cache(layers=[Preallocated() for _ in range(n_layers)])
 
 
+SHARED_MIN = 64   # tokens: a shorter common prefix is not split off (its merge costs about what its shared reads save)
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kwargs):
+    """Attention for the hf backend's generation on a CPU (registered with transformers as "aclarena-shared"; the
+    model runs with it only inside HFBackend.generate). query (B, H, q, D); key, value (B, Hk, T, D): the rows' own
+    cache; attention_mask (B, 1, q, T) bool from transformers, or None (causal, no padding).
+
+    shared_prefix: per layer (keys, values), (1, Hk, P, D), of the tokens that every row's sequence starts with (an
+    e-commerce system prompt with its tool schemas: ~400 tokens). Each row attends to the prefix and to its own
+    tokens in two passes, and the two are merged by their log-sum-exps:
+        o = (o_prefix * exp(lse_prefix) + o_own * exp(lse_own)) / (exp(lse_prefix) + exp(lse_own))
+    which is softmax attention over the concatenation, without a copy of the prefix in every row's cache (the
+    prefix is read once per step for the whole batch, rather than once per row). The query heads that share a key
+    head are not repeated: one-token queries become rows of their key head (as transformers >= 5.24 does)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu   # returns the log-sum-exp too
+    B, H, q, D = query.shape
+    Hk = key.shape[1]
+    if attention_mask is None:   # no padding: causal, the queries being the last q positions
+        attention_mask = torch.ones(q, key.shape[2], dtype=torch.bool, device=query.device).tril(key.shape[2] - q)[None, None]
+    mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~attention_mask,
+                                                                                               float("-inf"))
+    if q == 1:   # (B, H, 1, D) -> (B, Hk, H / Hk, D): the heads of one key head as its query rows
+        query = query.reshape(B, Hk, H // Hk, D)
+    out, lse = flash(query, key, value, attn_mask=mask, scale=scaling)           # (B, h, r, D), (B, h, r)
+    if shared_prefix is not None:
+        keys, values = shared_prefix[module.layer_idx]                        # (1, Hk, P, D)
+        h, r = query.shape[1], query.shape[2]
+        pq = query.reshape(B, Hk, h // Hk * r, D).transpose(0, 1).reshape(1, Hk, -1, D)   # every row's queries
+        p_out, p_lse = flash(pq, keys, values, scale=scaling)
+        p_out = p_out.reshape(Hk, B, h // Hk * r, D).transpose(0, 1).reshape(B, h, r, D)
+        p_lse = p_lse.reshape(Hk, B, h // Hk * r).transpose(0, 1).reshape(B, h, r)
+        top = torch.maximum(lse, p_lse)
+        w, p_w = (lse - top).exp()[..., None], (p_lse - top).exp()[..., None]
+        out = (out * w + p_out * p_w) / (w + p_w)
+    return out.reshape(B, H, q, D).transpose(1, 2).contiguous(), None
+
+
+def _register_attention():
+    """shared_prefix_attention under its name, with transformers' sdpa masks (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register("aclarena-shared", shared_prefix_attention)
+    AttentionMaskInterface.register("aclarena-shared", sdpa_mask)
+
+
+@contextlib.contextmanager
+def _attention(model, name):
+    """The model runs with the attention implementation `name` (None: as it is) for the duration of a with-block."""
+    config = model.config
+    before = config._attn_implementation
+    if name is not None:
+        config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 class HFBackend:
     """A transformers model behind a short decode loop: batched (left-padded, positions from the mask),
     KV cache, one prefill per distinct prompt, multinomial sampling from the full distribution (no top-k,
@@ -130,15 +189,21 @@ class HFBackend:
     keyed by its tokens; the next call, whose prompts are those sequences plus the environment's reply, prefills only
     the reply onto them. Only the previous call's caches are kept (an episode that ended frees its cache at the next
     call), and forget() drops them (rollout() calls it first, as the weights may have changed, and last).
-    reuse_kv False: every call prefills its prompts whole (the reference the kept path is tested against)."""
+    On a CPU, a prefix that every prompt of a call starts with (SHARED_MIN tokens or more) is prefilled once and kept
+    apart, and the rows' caches hold only what follows it (shared_prefix_attention); it stays while the prompts still
+    start with it, so an e-commerce rollout prefills its system prompt once.
+    reuse_kv False: every call prefills its prompts whole with the model's own attention (the reference the kept
+    path is tested against)."""
 
     def __init__(self, model, tokenizer, max_batch: int = 64, reuse_kv: bool = True):
         self.model, self.tok, self.max_batch, self.reuse_kv = model, tokenizer, max_batch, reuse_kv
+        _register_attention()
         self.kept = {}      # adapter -> {prefix length: {prefix tokens: per layer (keys, values), (heads, T, d)}}
+        self.shared = {}    # adapter -> (shared prefix tokens, per layer (keys, values), (1, heads, P, d))
         self.adapter_names = {}   # adapter directory -> its peft name (with_adapter)
 
     def forget(self):
-        self.kept = {}
+        self.kept, self.shared = {}, {}
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
@@ -152,6 +217,7 @@ class HFBackend:
         from common import rank
         out = [None] * len(prompts)
         kept, self.kept = self.kept, {}
+        shared, self.shared = self.shared, {}
         groups = [None] if adapters is None else list(dict.fromkeys(adapters))
         # a bar with an ETA over the batches, on a terminal only (tqdm's disable=None) and on rank 0
         bar = tqdm(total=len(prompts), unit="seq", desc="generate", leave=False,
@@ -162,17 +228,41 @@ class HFBackend:
             order = sorted(mine, key=lambda i: (len(prompts[i]), prompts[i]))
             slot = "<as is>" if adapters is None else adapter    # the live adapter and "no adapter" never share caches
             mine_kept, self.kept[slot] = kept.get(slot, {}), {}
-            with contextlib.nullcontext() if adapters is None else self.with_adapter(adapter):
+            cpu = next(self.model.parameters()).device.type == "cpu"
+            with contextlib.nullcontext() if adapters is None else self.with_adapter(adapter), \
+                    _attention(self.model, "aclarena-shared" if self.reuse_kv and cpu else None):
+                if self.reuse_kv and cpu:
+                    pre = self._shared_prefix([prompts[i] for i in mine], shared.get(slot))
+                    if pre is not shared.get(slot):   # the kept caches hold what follows the previous prefix
+                        mine_kept = {}
+                    self.shared[slot] = pre
                 for s in range(0, len(order), self.max_batch):
                     idx = order[s: s + self.max_batch]
                     batch = [prompts[i] for i in idx]
                     found = [_prefix(mine_kept, p) for p in batch] if self.reuse_kv else [None]
                     for i, g in zip(idx, self._generate_batch(batch, max_new_tokens, temperature, stop_ids,
-                                                              found if all(found) else None, self.kept[slot])):
+                                                              found if all(found) else None, self.kept[slot],
+                                                              self.shared.get(slot))):
                         out[i] = g
                     bar.update(len(idx))
         bar.close()
         return out
+
+    def _shared_prefix(self, prompts, before):
+        """(tokens, per layer (keys, values)) of the longest prefix that every prompt starts with (each keeping one
+        token to prefill): `before` while the prompts still start with it, else a new one prefilled alone; None when
+        it would be shorter than SHARED_MIN tokens."""
+        common = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+        if before is not None and len(before[0]) <= common and tuple(prompts[0][:len(before[0])]) == before[0]:
+            return before
+        if common < SHARED_MIN:
+            return None
+        n_layers = self.model.config.num_hidden_layers
+        cache = _preallocated_cache(n_layers, common)
+        ids = torch.tensor([prompts[0][:common]], device=next(self.model.parameters()).device)
+        self.model(input_ids=ids, position_ids=torch.arange(common, device=ids.device)[None], use_cache=True,
+                   **{cache_kwarg(self.model): cache})
+        return tuple(prompts[0][:common]), [_layer_kv(cache, layer) for layer in range(n_layers)]
 
     def with_adapter(self, path):
         """A context in which the model runs with the LoRA adapter directory `path` (None: without any adapter),
@@ -205,17 +295,20 @@ class HFBackend:
         for name, t in named_tensors:
             params[name].copy_(t)
 
-    def _generate_batch(self, prompts, max_new_tokens, temperature, stop_ids, found=None, keep=None):
+    def _generate_batch(self, prompts, max_new_tokens, temperature, stop_ids, found=None, keep=None, shared=None):
         """The decode loop, written out rather than model.generate: each distinct prompt is prefilled once
         and its KV cache copied to its samples (or, with `found`, each prompt's kept prefix loaded and only the rest
         prefilled: _prefill_on_kept), rows leave the batch (and the cache) as soon as they hit a stop token, and only
-        the sampled token's log-prob is kept. keep: a dict that receives each stopped row's cache (None: not kept)."""
+        the sampled token's log-prob is kept. keep: a dict that receives each stopped row's cache (None: not kept).
+        shared: a prefix every prompt starts with (HFBackend._shared_prefix): the rows' caches, masks and the kept
+        caches then cover only what follows it, and positions start after it."""
         dev = next(self.model.parameters()).device
+        P, kw = (len(shared[0]), {"shared_prefix": shared[1]}) if shared else (0, {})
         if found:
-            cache, logits, attn, pos = self._prefill_on_kept(prompts, found, max_new_tokens, dev)
+            cache, logits, attn, pos = self._prefill_on_kept(prompts, found, max_new_tokens, dev, P, kw)
         else:
-            cache, logits, attn, pos = self._prefill(prompts, max_new_tokens, dev)
-        kv = {cache_kwarg(self.model): cache}
+            cache, logits, attn, pos = self._prefill(prompts, max_new_tokens, dev, P, kw)
+        kv = {cache_kwarg(self.model): cache, **kw}
         live = torch.arange(len(prompts), device=dev)                   # (b,) which prompt each live row is
         toks = [[] for _ in prompts]
         lps = [[] for _ in prompts]
@@ -256,9 +349,10 @@ class HFBackend:
                                 **kv).logits[:, -1]
         return [Generation(t, lp, st) for t, lp, st in zip(toks, lps, stopped)]
 
-    def _prefill(self, prompts, room, dev):
+    def _prefill(self, prompts, room, dev, P=0, kw=None):
         """Every distinct prompt prefilled once (left-padded) and its cache rows copied to its samples; the cache has
-        `room` positions left for decoding. -> cache, last logits (B, V), attention mask (B, T), last positions (B,)."""
+        `room` positions left for decoding. The first P tokens are the shared prefix (kw: its caches), already
+        computed. -> cache, last logits (B, V), attention mask (B, T), last positions (B,)."""
         uniq, row_of = [], {}
         src = []                                                       # prompt i -> its row among uniq
         for p in prompts:
@@ -268,33 +362,33 @@ class HFBackend:
                 uniq.append(p)
             src.append(row_of[key])
         pad = self.tok.pad_token_id
-        T = max(len(p) for p in uniq)
+        T = max(len(p) for p in uniq) - P
         ids = torch.full((len(uniq), T), pad, dtype=torch.long)        # (U, T) left-padded
         attn = torch.zeros((len(uniq), T), dtype=torch.long)            # (U, T)
         for i, p in enumerate(uniq):
-            ids[i, T - len(p):] = torch.tensor(p)
-            attn[i, T - len(p):] = 1
+            ids[i, T - len(p) + P:] = torch.tensor(p[P:])
+            attn[i, T - len(p) + P:] = 1
         ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (U, T) positions ignore the padding
+        pos = (attn.cumsum(-1) - 1).clamp(min=0) + P                    # (U, T) positions ignore the padding
         cache = _preallocated_cache(self.model.config.num_hidden_layers, T + room)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                            **{cache_kwarg(self.model): cache}).logits[:, -1]                    # (U, V)
+                            **{cache_kwarg(self.model): cache}, **(kw or {})).logits[:, -1]      # (U, V)
         rows = torch.tensor(src, device=dev)                            # (B,) live row -> uniq row
         if len(uniq) != len(prompts) or src != list(range(len(src))):
             cache.batch_select_indices(rows)
         return cache, logits[rows], attn[rows], pos[rows, -1]           # (B, V), (B, T), (B,)
 
-    def _prefill_on_kept(self, prompts, found, room, dev):
+    def _prefill_on_kept(self, prompts, found, room, dev, P=0, kw=None):
         """Each prompt's kept prefix cache loaded and only the rest of the prompt (the environment's reply) prefilled
         onto it. Rows are prefilled in groups by the length of that rest (powers of two), so that a group pads its
         replies to its own longest and not to the batch's (that halved the attention work of an e-commerce turn);
         the groups' caches are then laid side by side, left-padded to the longest, into one cache with `room`
-        positions left for decoding. -> as _prefill."""
+        positions left for decoding. P, kw: as _prefill (the kept caches begin after the shared prefix). -> as _prefill."""
         rest = [p[n:] for p, (n, _) in zip(prompts, found)]
         groups = {}
         for b, r in enumerate(rest):
             groups.setdefault((len(r) - 1).bit_length(), []).append(b)
-        parts = [(rows, *self._prefill_group([rest[b] for b in rows], [found[b] for b in rows], dev))
+        parts = [(rows, *self._prefill_group([rest[b] for b in rows], [found[b] for b in rows], dev, P, kw))
                  for rows in groups.values()]
         B, T, n_layers = len(prompts), max(p[2].size(1) for p in parts), self.model.config.num_hidden_layers
         attn = torch.zeros((B, T), dtype=torch.long, device=dev)
@@ -312,15 +406,15 @@ class HFBackend:
             cache.update(k, v, l)
         return cache, logits, attn, pos
 
-    def _prefill_group(self, rest, found, dev):
+    def _prefill_group(self, rest, found, dev, P=0, kw=None):
         """The prefixes' kept caches loaded (left-padded to the longest), then `rest` (left-padded) prefilled onto
         them; padding in the middle is masked out and positions come from the mask, so each row computes what a full
         prefill of its prompt would. -> last logits (b, V), attention mask (b, Lc + Ls), last positions (b,), cache."""
-        Lc, Ls, B = max(n for n, _ in found), max(len(r) for r in rest), len(rest)
+        Lc, Ls, B = max(n for n, _ in found) - P, max(len(r) for r in rest), len(rest)
         attn = torch.zeros((B, Lc + Ls), dtype=torch.long)
         ids = torch.full((B, Ls), self.tok.pad_token_id, dtype=torch.long)
         for b, ((n, _), r) in enumerate(zip(found, rest)):
-            attn[b, Lc - n: Lc] = 1
+            attn[b, Lc - n + P: Lc] = 1
             attn[b, Lc + Ls - len(r):] = 1
             ids[b, Ls - len(r):] = torch.tensor(r)
         cache = _preallocated_cache(len(found[0][1]), Lc + Ls)
@@ -329,12 +423,12 @@ class HFBackend:
             keys = torch.zeros((B, k0.size(0), Lc, k0.size(-1)), dtype=k0.dtype, device=dev)
             values = torch.zeros((B, v0.size(0), Lc, v0.size(-1)), dtype=v0.dtype, device=dev)
             for b, (n, kept) in enumerate(found):
-                keys[b, :, Lc - n:], values[b, :, Lc - n:] = kept[layer]
+                keys[b, :, Lc - n + P:], values[b, :, Lc - n + P:] = kept[layer]
             cache.update(keys, values, layer)
         ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # (B, Lc + Ls)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0) + P                    # (B, Lc + Ls)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos[:, Lc:], use_cache=True,
-                            logits_to_keep=1, **{cache_kwarg(self.model): cache}).logits[:, -1]   # (B, V)
+                            logits_to_keep=1, **{cache_kwarg(self.model): cache}, **(kw or {})).logits[:, -1]
         return logits, attn, pos[:, -1], cache
 
 

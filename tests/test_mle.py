@@ -184,7 +184,9 @@ def test_the_merged_export_equals_backbone_plus_adapter(done):
         base, _ = load_policy(TINY, "cpu")
         want = PeftModel.from_pretrained(base, os.path.join(out, "experts", d)).eval()(input_ids=ids).logits
         merged, _ = load_policy(os.path.join(out + "-merged", d), "cpu")
-        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+        # folding B A into W rounds otherwise than adding x A B: fp32 differences of ~1e-5 (seen 1.2e-5); a wrong fold
+        # (scaling, transposition, a missed module) differs by orders of magnitude more
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, want, atol=1e-4, rtol=1e-5)
         assert json.load(open(os.path.join(out + "-merged", d, "acl_meta.json")))["method"] == "mle-merged"
 
 

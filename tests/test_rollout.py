@@ -185,6 +185,7 @@ class Watched(HFBackend):
         out = super().generate(prompts, *a, **kw)
         self.__dict__.setdefault("sizes", []).append((len(prompts), sum(len(v) for k in self.kept.values()
                                                                           for v in k.values())))
+        self.__dict__.setdefault("shared_lens", []).append([len(s[0]) for s in self.shared.values() if s])
         return out
 
 
@@ -210,8 +211,42 @@ def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed():
         assert backend.kept == {} and all(n_kept <= n for n, n_kept in sizes), (d, sizes)
         if d == "ecommerce":
             assert max(e.turns for e in kept) > 2 and len(sizes) > 2      # multi-turn: later calls started on caches
+            # the system prompt with its tool schemas was split off once and kept for every later turn
+            assert all(lens and lens[0] >= 64 for lens in backend.shared_lens), backend.shared_lens
+            assert len({tuple(lens) for lens in backend.shared_lens}) == 1, backend.shared_lens
             sampled = rollout(HFBackend(model, tok), tok, items, 1, seed=1)
             again = rollout(HFBackend(model, tok, reuse_kv=False), tok, items, 1, seed=1)
             for x, y in zip(sampled, again):
                 if x.token_ids == y.token_ids:
                     torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
+def test_shared_prefix_attention_is_attention_over_prefix_and_own_tokens():
+    """shared_prefix_attention (the hf backend's generation on a CPU): each row's attention over one shared prefix and
+    its own masked tokens, merged by log-sum-exps, equals plain softmax attention over the concatenation, for one-token
+    (decode) and many-token (prefill) queries, grouped-query heads and padding; without a prefix it is plain attention."""
+    import types
+
+    import torch.nn.functional as F
+
+    from envs.rollout import shared_prefix_attention
+    torch.manual_seed(0)
+    B, H, Hk, T, P, D = 3, 6, 2, 9, 5, 8
+    module = types.SimpleNamespace(layer_idx=1)
+    pk, pv = torch.randn(1, Hk, P, D), torch.randn(1, Hk, P, D)
+    prefix = [None, (pk, pv)]
+    k, v = torch.randn(B, Hk, T, D), torch.randn(B, Hk, T, D)
+    for q in (1, 4):
+        query = torch.randn(B, H, q, D)
+        mask = torch.ones(B, 1, q, T, dtype=torch.bool).tril(T - q)   # causal, the queries last
+        mask[0, :, :, :3] = False                                          # row 0 left-padded
+        full_k = torch.cat([pk.expand(B, -1, -1, -1), k], 2).repeat_interleave(H // Hk, 1)
+        full_v = torch.cat([pv.expand(B, -1, -1, -1), v], 2).repeat_interleave(H // Hk, 1)
+        full_mask = torch.cat([torch.ones(B, 1, q, P, dtype=torch.bool), mask], -1)
+        want = F.scaled_dot_product_attention(query, full_k, full_v, attn_mask=full_mask).transpose(1, 2)
+        got, _ = shared_prefix_attention(module, query, k, v, mask, scaling=D ** -0.5, shared_prefix=prefix)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        plain = F.scaled_dot_product_attention(query, k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1),
+                                               attn_mask=mask).transpose(1, 2)
+        torch.testing.assert_close(shared_prefix_attention(module, query, k, v, mask, scaling=D ** -0.5)[0], plain,
+                                   atol=1e-5, rtol=1e-5)
