@@ -15,7 +15,8 @@ export TOKENIZERS_PARALLELISM=false
 ARENA=${ARENA:-tiny}
 QUICK=${QUICK:-0}       # 1: the whole study reduced to a smoke test (a step or two per stage, 10 tasks per split, ~3
                         # min) in runs/tiny-quick; its numbers mean nothing, it checks that every step runs and connects
-RUNS=${RUNS:-runs/$ARENA$([ "$QUICK" = 1 ] && echo -quick)}
+SUFFIX=""; if [ "$QUICK" = 1 ]; then SUFFIX=-quick; fi   # (a failing `[ ] &&` here would end the script: set -e)
+RUNS=${RUNS:-runs/$ARENA$SUFFIX}
 # evaluate.py names a checkpoint by its path under runs/<name>/ (runs/tiny/seq/1-math -> seq-1-math)
 case "$RUNS" in runs/?*|*/runs/?*) ;; *) echo "RUNS=$RUNS: must be a directory runs/<name> (anywhere)" >&2; exit 2;; esac
 if [ "$ARENA" = tiny ]; then

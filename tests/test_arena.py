@@ -66,3 +66,12 @@ def test_a_killed_arena_resumes_to_the_same_report(quick, tmp_path):
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-4000:]
     assert numbers(open(again / "report.md").read()) == numbers(open(runs / "report.md").read())
+
+
+@pytest.mark.parametrize("quick_flag", ["0", "1"])
+def test_the_default_arena_gets_past_its_settings(quick_flag):
+    """The default study (QUICK unset or 0) reaches its checks: a bad RUNS is refused with its line, exit 2 (a `[ ] &&`
+    that failed under set -e once ended `bash arena.sh` silently, with status 1, before any step)."""
+    env = dict(os.environ, QUICK=quick_flag, RUNS="elsewhere", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(["bash", "arena.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "RUNS=elsewhere: must be a directory runs/<name>" in r.stderr, (r.returncode, r.stderr)
