@@ -19,6 +19,7 @@ SUFFIX=""; if [ "$QUICK" = 1 ]; then SUFFIX=-quick; fi   # (a failing `[ ] &&` h
 RUNS=${RUNS:-runs/$ARENA$SUFFIX}
 # evaluate.py names a checkpoint by its path under runs/<name>/ (runs/tiny/seq/1-math -> seq-1-math)
 case "$RUNS" in runs/?*|*/runs/?*) ;; *) echo "RUNS=$RUNS: must be a directory runs/<name> (anywhere)" >&2; exit 2;; esac
+case "$ARENA" in tiny|qwen3-8b) ;; *) echo "ARENA=$ARENA: tiny or qwen3-8b (train_seq.py's presets)" >&2; exit 2;; esac
 if [ "$ARENA" = tiny ]; then
     RUN="python"
     SUITE=tiny

@@ -68,10 +68,12 @@ def test_a_killed_arena_resumes_to_the_same_report(quick, tmp_path):
     assert numbers(open(again / "report.md").read()) == numbers(open(runs / "report.md").read())
 
 
-@pytest.mark.parametrize("quick_flag", ["0", "1"])
+@pytest.mark.parametrize("quick_flag", [None, "0", "1"])
 def test_the_default_arena_gets_past_its_settings(quick_flag):
-    """The default study (QUICK unset or 0) reaches its checks: a bad RUNS is refused with its line, exit 2 (a `[ ] &&`
-    that failed under set -e once ended `bash arena.sh` silently, with status 1, before any step)."""
-    env = dict(os.environ, QUICK=quick_flag, RUNS="elsewhere", TOKENIZERS_PARALLELISM="false")
+    """The default study (QUICK and RUNS unset) reaches its checks: an unknown ARENA is refused with its line, exit 2,
+    before anything is written (a `[ ] &&` that failed under set -e once ended `bash arena.sh` silently, status 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("QUICK", "RUNS")}
+    env.update(ARENA="nowhere", TOKENIZERS_PARALLELISM="false", **({} if quick_flag is None else {"QUICK": quick_flag}))
     r = subprocess.run(["bash", "arena.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "RUNS=elsewhere: must be a directory runs/<name>" in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode == 2 and "ARENA=nowhere: tiny or qwen3-8b" in r.stderr, (r.returncode, r.stderr)
+    assert not os.path.exists(os.path.join(ROOT, "runs", "nowhere"))
