@@ -182,7 +182,7 @@ def _attention(model, name):
 
 class HFBackend:
     """A transformers model behind a short decode loop: batched (left-padded, positions from the mask),
-    KV cache, one prefill per distinct prompt, multinomial sampling from the full distribution (no top-k,
+    KV cache, one prefill per distinct prompt, sampling from the full distribution by inverse CDF (no top-k,
     no top-p), stopping at any of stop_ids, with per-token sampling log-probs. Greedy when temperature is 0.
 
     Multi-turn episodes keep their cache (reuse_kv): when a sequence stops, the KV of everything it has fed is kept,
@@ -219,6 +219,7 @@ class HFBackend:
         kept, self.kept = self.kept, {}
         shared, self.shared = self.shared, {}
         groups = [None] if adapters is None else list(dict.fromkeys(adapters))
+        split = self.reuse_kv and next(self.model.parameters()).device.type == "cpu"   # a shared prefix kept apart
         # a bar with an ETA over the batches, on a terminal only (tqdm's disable=None) and on rank 0
         bar = tqdm(total=len(prompts), unit="seq", desc="generate", leave=False,
                    disable=None if rank() == 0 and len(prompts) > self.max_batch else True)
@@ -228,10 +229,9 @@ class HFBackend:
             order = sorted(mine, key=lambda i: (len(prompts[i]), prompts[i]))
             slot = "<as is>" if adapters is None else adapter    # the live adapter and "no adapter" never share caches
             mine_kept, self.kept[slot] = kept.get(slot, {}), {}
-            cpu = next(self.model.parameters()).device.type == "cpu"
             with contextlib.nullcontext() if adapters is None else self.with_adapter(adapter), \
-                    _attention(self.model, "aclarena-shared" if self.reuse_kv and cpu else None):
-                if self.reuse_kv and cpu:
+                    _attention(self.model, "aclarena-shared" if split else None):
+                if split:
                     pre = self._shared_prefix([prompts[i] for i in mine], shared.get(slot))
                     if pre is not shared.get(slot):   # the kept caches hold what follows the previous prefix
                         mine_kept = {}
