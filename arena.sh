@@ -53,16 +53,28 @@ echo "# arena.sh started $(date '+%Y-%m-%d %H:%M:%S') at $(git rev-parse --short
 # 2 threads to help much: two 1-thread processes do 1.5x the work of one 2-thread process). LANES=1: one at a time,
 # at torch's default threads, their output on the terminal too; each step's output is kept in runs/<arena>/logs/.
 LANES=${LANES:-2}
+PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps running in lanes
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
 STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle analyze evaluate-runs
        evaluate-consolidators evaluate-mle-learned evaluate-mixed)
+for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
 t() {
-    local name=$1 s rc=0 i n=0; shift; s=$(date +%s)
+    local name=$1 s rc=0 i n=0 pid last="" line k=0; shift; s=$(date +%s)
     for i in "${!STEPS[@]}"; do [ "${STEPS[$i]}" = "$name" ] && n=$((i + 1)); done
     echo "[$(date +%H:%M:%S)] [$n/${#STEPS[@]}] $name: started$([ "$LANES" -gt 1 ] && echo " (log: $RUNS/logs/$name.log)")"
     if [ "$LANES" -gt 1 ]; then
-        "$@" > "$RUNS/logs/$name.log" 2>&1 || rc=$?
+        # the step writes to its log; every PROGRESS seconds its newest progress line (step i/n, checkpoint i/n, with
+        # the step's own ETA) is echoed here, so the terminal shows where each lane is
+        "$@" > "$RUNS/logs/$name.log" 2>&1 & pid=$!
+        while kill -0 "$pid" 2>/dev/null; do
+            sleep 1; k=$((k + 1))
+            [ $((k % PROGRESS)) = 0 ] || continue
+            line=$(grep -a "ETA" "$RUNS/logs/$name.log" 2>/dev/null | tail -n 1 || true)
+            [ -z "$line" ] || [ "$line" = "$last" ] || echo "[$(date +%H:%M:%S)]   $name: ${line:0:160}"
+            last=$line
+        done
+        wait "$pid" || rc=$?
         [ $rc = 0 ] || { echo "[$(date +%H:%M:%S)] $name FAILED (exit $rc); its log ends:"; tail -n 20 "$RUNS/logs/$name.log"; }
     else
         { "$@" 2>&1 | tee "$RUNS/logs/$name.log"; } || rc=$?
@@ -81,23 +93,23 @@ lanes() {
     return $rc
 }
 
-SEEDS=${SEEDS:-1}           # tiny: training seeds of the sequential run (seed 0 in runs/tiny, seed s in runs/tiny-seed<s>)
+SEEDS=${SEEDS:-1}   # training seeds: the whole study once per seed (seed 0 in $RUNS, seed s in $RUNS-seed<s>, step 9)
+SEED=${SEED:-0}     # this study's training seed, passed to every training script (step 9 sets it for $RUNS-seed<s>)
 BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory (merge.py, analyze.py read it)
 # 1. the base: the committed reference base (assets/tiny-base: BPE tokenizer + ~1M-parameter Qwen3, an induction
 #    drill, then pre-training on the worlds' text and noisy demos), the tiny counterpart of downloading
 #    Qwen3-8B-Base (seconds). `python -m envs.tiny --out runs/tiny/base` rebuilds it (~12.5 min; float
 #    differences between machines give a different base: see the README's base section)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || { mkdir -p "$RUNS" && cp -r assets/tiny-base "$RUNS/base"; }
-# the tiny scripts find the base, the stages and the oracles under $RUNS (their defaults: runs/tiny)
-if [ "$ARENA" = tiny ]; then
-    Q_SEQ="--runs $RUNS --init $RUNS/base $Q_SEQ" Q_SDFT="--runs $RUNS --student $RUNS/base $Q_SDFT"
-    Q_MMOPD="--runs $RUNS $Q_MMOPD" Q_MLE="--runs $RUNS $Q_MLE"
-fi
+# the training scripts find the stages and the oracles under $RUNS (their default: runs/<preset>), the tiny ones the base
+Q_SEQ="--runs $RUNS --seed $SEED $Q_SEQ" Q_SDFT="--runs $RUNS --seed $SEED $Q_SDFT"
+Q_MMOPD="--runs $RUNS --seed $SEED $Q_MMOPD" Q_MLE="--runs $RUNS --seed $SEED $Q_MLE"
+if [ "$ARENA" = tiny ]; then Q_SEQ="--init $RUNS/base $Q_SEQ" Q_SDFT="--student $RUNS/base $Q_SDFT"; fi
 # 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~5 min), and
 # 3. the four single-task oracles, each one stage from the base (~5 min), side by side
-seq() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS; }
+seq_run() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS; }
 oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $Q_SEQ $TRAIN_ARGS; }
-lanes seq oracles
+lanes seq_run oracles
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
 t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ --out "$RUNS/analysis/seq" $Q_ANALYZE
@@ -139,36 +151,30 @@ t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
 N_EVAL=${N_EVAL:-test=300,ood=100}
 [ "$ARENA" = tiny ] || N_EVAL=""
 eval_runs() {
-    t evaluate-runs python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$RUNS/eval" \
+    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$RUNS/eval" \
         --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
     cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
 }
 eval_consolidators() {
-    t evaluate-consolidators python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
+    t evaluate-consolidators python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
-    t evaluate-mle-learned python evaluate.py --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
+    t evaluate-mle-learned python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
-    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --suite tiny --mixed only --n "$N_EVAL" \
+    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_EVAL" \
         --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
         "$RUNS/mle" --router learned
 }
 lanes eval_runs eval_consolidators
-# 9. tiny, SEEDS > 1: the sequential run again with training seeds 1 .. SEEDS-1 from the same base, each evaluated
-#    like step 8 (its base row is step 8's) -> runs/tiny-seed<s>, then the accuracy matrices as mean ± std over
-#    training seeds, which the report includes (~12 min a seed)
-if [ "$ARENA" = tiny ] && [ "$SEEDS" -gt 1 ]; then
-    unset OMP_NUM_THREADS   # one run at a time here, at torch's default threads
-    ALL=("$RUNS")
-    for s in $(seq 1 $((SEEDS - 1))); do
-        R=$RUNS-seed$s
-        python train_seq.py --preset tiny $Q_SEQ --seed "$s" --runs "$R" --init "$RUNS/base" $TRAIN_ARGS
-        mkdir -p "$R/eval" && cp "$RUNS/eval/base.json" "$R/eval/base.json"
-        python evaluate.py --suite tiny ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$R/eval" \
-            --ckpt "$R"/seq/[0-9]-{math,search,ecommerce,if} | tee "$R/scores.md"
-        ALL+=("$R")
-    done
-    python evaluate.py --across "${ALL[@]}" | tee "$RUNS/scores_seeds.md"
-fi
+# 9. SEEDS > 1: the whole study (steps 2-8) again with training seeds 1 .. SEEDS-1 from the same base, each in
+#    $RUNS-seed<s> with its own report; each is one step here (~23 min a seed, tiny), and the report below gives
+#    every number as mean ± std over the seeds
+SEED_RUNS=()
+for s in $(seq 1 $((SEEDS - 1))); do
+    R=$RUNS-seed$s
+    [ "$ARENA" != tiny ] || [ -f "$R/base/acl_meta.json" ] || { mkdir -p "$R" && cp -r "$RUNS/base" "$R/base"; }
+    t "seed-$s" env SEEDS=1 SEED="$s" RUNS="$R" BASE="$([ "$ARENA" = tiny ] && echo "$R/base" || echo "$BASE")" bash ./arena.sh
+    SEED_RUNS+=("$R")
+done
 # the time table of this run (the steps after the last "started" line; with lanes, steps overlap, so the total is the
 # wall time from the start, beside the sum of the steps)
 awk -v now="$(date +%s)" '/^# arena.sh started/ {n = 0; delete rows; head = $0; start = $NF; next} {rows[++n] = $0}
@@ -177,4 +183,4 @@ awk -v now="$(date +%s)" '/^# arena.sh started/ {n = 0; delete rows; head = $0; 
     printf "%-24s %6d s (%.1f min)\n", "total (wall)", now - start, (now - start) / 60}' "$TIMES" | tee "$RUNS/arena_times.md"
 # 10. the report: the study's table, the normalised table, the accuracy matrices, the plots, the nine findings
 #    checked, and the time table above -> runs/tiny/report.md (seconds)
-python report.py --runs "$RUNS"
+python report.py --runs "$RUNS" ${SEED_RUNS[@]+--seed-runs "${SEED_RUNS[@]}"}

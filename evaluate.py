@@ -639,6 +639,9 @@ def parse_args(argv=None):
                    help="instead of evaluating: the accuracy matrices of sequential runs made with different training "
                         "seeds (RUNS/eval/seq_matrix.json each, e.g. runs/tiny runs/tiny-seed1 runs/tiny-seed2), as "
                         "mean ± std over the runs")
+    p.add_argument("--resume", action="store_true", help="keep a checkpoint's saved record instead of evaluating it "
+                   "again when it was made with the same settings after the checkpoint's last file was written "
+                   "(arena.sh, restarted after a kill)")
     p.add_argument("--save-episodes", default=None, metavar="DIR",
                    help="also write every scored episode: DIR/<checkpoint name>/<benchmark>.jsonl, one episode per "
                         "line (chat messages with tools, reward, metrics): teacher rollouts for train_seq.py "
@@ -793,10 +796,17 @@ def main():
                     benchmarks=list(r["tasks"]), n=a.n or defaults["n"], seeds=a.seeds, k=a.k, temperature=a.temperature,
                     batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
                     max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
-                    env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend)
+                    env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend, gold=a.gold)
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
-    named = {}
-    for path, name, _, out in r["ckpts"]:
+    named, t_start = {}, time.time()
+    for i, (path, name, _, out) in enumerate(r["ckpts"], 1):
+        done = load_results(out) if a.resume and not a.save_episodes and os.path.isfile(out) else None
+        if done and done.get("ckpt") == path and done.get("settings") == json.loads(json.dumps(settings)) \
+                and os.path.getmtime(out) > max(os.path.getmtime(os.path.join(d, f))
+                                                for d, _, fs in os.walk(path) for f in fs):
+            print0(f"[{name}] evaluated before with these settings, after the checkpoint was written: {out} kept")
+            named[name] = done
+            continue
         episodes = {} if a.save_episodes else None
         record = evaluate_ckpt(path, a.suite, backend_name=a.backend, router=a.router, router_mix=a.router_mix,
                                max_lora_rank=r["max_lora_rank"],
@@ -810,7 +820,9 @@ def main():
                 print0(f"saved {save_episode_files(os.path.join(a.save_episodes, name), episodes, path)}")
         except OSError as e:
             sys.exit(f"error: writing {out} failed: {e}")
-        print0(f"saved {out} ({record['wall_s']:.0f}s)")
+        el = time.time() - t_start   # the ETA assumes the remaining checkpoints cost what the finished ones did
+        print0(f"saved {out} ({record['wall_s']:.0f}s) | checkpoint {i}/{len(r['ckpts'])} | {el:.0f}s elapsed, "
+               f"ETA {el / i * (len(r['ckpts']) - i):.0f}s")
         named[name] = record
     print0("\n" + markdown_table(named))
     if r["stages"]:

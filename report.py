@@ -19,9 +19,9 @@ draws each domain's tasks once, for all checkpoints and the oracle alike). The c
 another has the highest B; first without that margin is "not shown".
 """
 import argparse
-import glob
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -90,14 +90,28 @@ def sig(d, se, sign=+1):
 
 # ----------------------------------------------------------------------------- the tables
 
-def study_table(recs, domains=DOMAINS) -> str:
-    """Rows: the study's checkpoints; columns: each domain's test (in-domain) and ood score ± SE over tasks, and the
-    mean of the columns; the best of each column in bold."""
+def over_seeds(values):
+    """(mean, std) of one number over training seeds (None where any seed lacks it; std None with one seed)."""
+    if not values or any(v is None for v in values):
+        return None, None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def study_table(recs_by_seed, domains=DOMAINS) -> str:
+    """Rows: the study's checkpoints; columns: each domain's test (in-domain) and ood score and the mean of the
+    columns; ± is the SE over tasks with one training seed, the std over training seeds with several (each seed's
+    score is its mean over the same tasks); the best of each column in bold."""
     cols = [(d, s) for d in domains for s in ("test", "ood")]
-    vals = {row: [cell(recs.get(name), d, s)[:2] for d, s in cols] for row, name in ROWS.items() if name in recs}
-    for v in vals.values():
-        means = [m for m, _ in v if m is not None]
-        v.append((sum(means) / len(means) if means else None, None))
+    one = len(recs_by_seed) == 1
+    vals = {}
+    for row, name in ROWS.items():
+        if not all(name in recs for recs in recs_by_seed):
+            continue
+        per_seed = [[cell(recs[name], d, s)[:2] for d, s in cols] for recs in recs_by_seed]
+        for v in per_seed:
+            means = [m for m, _ in v if m is not None]
+            v.append((sum(means) / len(means) if means else None, None))
+        vals[row] = per_seed[0] if one else [over_seeds([v[j][0] for v in per_seed]) for j in range(len(cols) + 1)]
     best = [max((v[j][0] for v in vals.values() if v[j][0] is not None), default=None) for j in range(len(cols) + 1)]
     head = [f"{d} {'in' if s == 'test' else 'ood'}" for d, s in cols] + ["average"]
     lines = ["| checkpoint | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
@@ -118,18 +132,24 @@ def best_single(recs, domains=DOMAINS) -> dict:
     return out
 
 
-def normalised_table(recs, domains=DOMAINS) -> str:
-    """Each in-domain score ÷ that domain's best single checkpoint (the scale-free form in which tiny and 8B numbers
-    compare), with the study's normalised values as a reference row under each row it reports."""
-    top = best_single(recs, domains)
+def normalised_table(recs_by_seed, domains=DOMAINS) -> str:
+    """Each in-domain score ÷ that domain's best single checkpoint of the same training seed (the scale-free form in
+    which tiny and 8B numbers compare; with several seeds, mean ± std of the seeds' ratios), with the study's
+    normalised values as a reference row under each row it reports."""
+    tops = [best_single(recs, domains) for recs in recs_by_seed]
+    top = tops[0]
     lines = ["| checkpoint | " + " | ".join(f"{d} (÷ {fmt(top[d][1]) if d in top else '–'}, {top[d][0] if d in top else '–'})"
                                            for d in domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    if len(recs_by_seed) > 1:
+        lines[0] = "| checkpoint | " + " | ".join(f"{d} (÷ each seed's best single)" for d in domains) + " |"
     for row, name in ROWS.items():
-        if name not in recs:
+        if not all(name in recs for recs in recs_by_seed):
             continue
-        v = [cell(recs[name], d)[0] for d in domains]
-        lines.append(f"| {row} | " + " | ".join(fmt(x / top[d][1], nd=2) if x is not None and d in top and top[d][1] > 0
-                                                else "–" for x, d in zip(v, domains)) + " |")
+        ratios = [[(x / t[d][1]) if x is not None and d in t and t[d][1] > 0 else None
+                   for x, d in zip((cell(recs[name], d)[0] for d in domains), domains)]
+                  for recs, t in zip(recs_by_seed, tops)]
+        lines.append(f"| {row} | " + " | ".join(fmt(*over_seeds([r[j] for r in ratios]), nd=2)
+                                                for j in range(len(domains))) + " |")
         if row in STUDY_NORMALISED:
             lines.append(f"| *{row}, the study* | " + " | ".join(fmt(x, nd=2) for x in STUDY_NORMALISED[row]) + " |")
     return "\n".join(lines)
@@ -393,47 +413,60 @@ def balance_table(res: dict, names: list, claim: str, domains=DOMAINS) -> str:
 
 # ----------------------------------------------------------------------------- report.md
 
-def report(runs: str, out: str) -> str:
-    """Write the report of the run in `runs` to `out` (markdown; plots linked relative to it). -> out."""
+def run_seeds(run: str) -> list:
+    """The training seeds recorded in a run's sequential stages (acl_meta.json)."""
+    metas = [read_meta(os.path.join(run, "seq", s)) for s in ("1-math", "2-search", "3-ecommerce", "4-if")]
+    return sorted({m.get("seed") for m in metas if m} - {None})
+
+
+def report(runs: str, out: str, seed_runs=()) -> str:
+    """Write the report of the run in `runs` to `out` (markdown; plots linked relative to it); with `seed_runs` (the
+    same study with other training seeds, arena.sh SEEDS > 1) every table gives mean ± std over the seeds and each
+    finding is checked in every seed. -> out."""
     import json
 
-    from evaluate import matrix_table
-    eval_dir = os.path.join(runs, "eval")
-    recs = load_records(eval_dir)
-    if not recs:
-        raise UsageError(f"no evaluation records in {eval_dir}: run evaluate.py (arena.sh step 8) first")
-    apath = os.path.join(runs, "analysis", "analysis.json")
-    analysis = json.load(open(apath)) if os.path.isfile(apath) else None
+    from evaluate import across_seeds, matrix_table
+    all_runs = [runs, *seed_runs]
+    recs_by_seed = []
+    for r in all_runs:
+        recs_by_seed.append(load_records(os.path.join(r, "eval")))
+        if not recs_by_seed[-1]:
+            raise UsageError(f"no evaluation records in {os.path.join(r, 'eval')}: run evaluate.py (arena.sh step 8) "
+                             "first")
+    recs, eval_dir = recs_by_seed[0], os.path.join(runs, "eval")
+    tasks = [sorted({b["n"] for x in rs.values() for k, b in x["benchmarks"].items() if k.endswith("/test")})
+             for rs in recs_by_seed]
+    if any(t != tasks[0] for t in tasks):
+        raise UsageError("the seeds' runs were evaluated on different task counts: " + ", ".join(
+            f"{r} {t}" for r, t in zip(all_runs, tasks)))
+    seeds = [", ".join(map(str, run_seeds(r))) or os.path.basename(os.path.abspath(r)) for r in all_runs]
     here = os.path.dirname(os.path.abspath(out))
     rel = lambda p: os.path.relpath(p, here)   # noqa: E731
-    n_tasks = sorted({b["n"] for r in recs.values() for k, b in r["benchmarks"].items() if k.endswith("/test")})
-    seeds = sorted({read_meta(os.path.join(runs, "seq", s)).get("seed") for s in
-                    ("1-math", "2-search", "3-ecommerce", "4-if") if read_meta(os.path.join(runs, "seq", s))} - {None})
+    n = len(all_runs)
+    spread = "the standard error over tasks" if n == 1 else \
+        f"the std over the {n} training seeds (each seed's score its mean over the same tasks)"
     lines = [f"# ACLArena report: {os.path.basename(os.path.abspath(runs))}", "",
-             f"Generated by `python report.py --runs {runs}` on {time.strftime('%Y-%m-%d %H:%M')}, commit "
+             f"Generated by `python report.py --runs {runs}" + (f" --seed-runs {' '.join(seed_runs)}" if seed_runs
+                                                                 else "") +
+             f"` on {time.strftime('%Y-%m-%d %H:%M')}, commit "
              f"{code_revision()}, {platform.machine()} {platform.system()}, {os.cpu_count()} cores, torch "
-             f"{torch.__version__}. Training seed(s) {seeds or '?'}; {'/'.join(map(str, n_tasks))} `test` tasks per "
-             f"domain, one sampling seed; ± is the standard error over tasks. Every number below is read from the "
-             f"saved results; the criteria are fixed in report.py.", ""]
+             f"{torch.__version__}. Training seed(s) {'; '.join(seeds)}; "
+             f"{'/'.join(map(str, tasks[0]))} `test` tasks per domain, one sampling seed; ± is {spread}. Every number "
+             f"below is read from the saved results; the criteria are fixed in report.py.", ""]
     lines += ["## The study's table", "", "In-domain (`test`) and out-of-domain (`ood`) score per domain; the best "
-              "value of each column in bold.", "", study_table(recs), ""]
+              "value of each column in bold.", "", study_table(recs_by_seed), ""]
     lines += ["## Normalised by each domain's best single checkpoint", "", "The scale-free form in which the tiny "
               "arena and the study's 8B numbers can be compared; the study's values in italics.", "",
-              normalised_table(recs), ""]
-    m, g = matrices(recs)
-    if m is not None:
-        lines += ["## The accuracy matrix of the sequential run", "", matrix_table(m), ""]
-        if any(x is not None for row in g["matrix"] for x in row):
-            lines += [matrix_table(g), ""]
-    seeds_runs = sorted(d for d in glob.glob(os.path.abspath(runs).rstrip(os.sep) + "-seed[0-9]*")
-                        if os.path.isfile(os.path.join(d, "eval", "seq_matrix.json")))
-    if seeds_runs and os.path.isfile(os.path.join(eval_dir, "seq_matrix.json")):   # SEEDS > 1 (arena.sh step 9)
-        from evaluate import across_seeds
-        lines += [f"## The sequential run over {1 + len(seeds_runs)} training seeds", "",
-                  "The same recipe from the same base, training seeds 0 and " +
-                  ", ".join(d.rsplit("-seed", 1)[1] for d in seeds_runs) + " (" + ", ".join(
-                      os.path.basename(d) for d in seeds_runs) + "); ± is the std over the seeds.", "",
-                  across_seeds([runs, *seeds_runs]), ""]
+              normalised_table(recs_by_seed), ""]
+    if n > 1:
+        lines += [f"## The accuracy matrix of the sequential run, over {n} training seeds", "",
+                  across_seeds(all_runs), ""]
+    else:
+        m, g = matrices(recs)
+        if m is not None:
+            lines += ["## The accuracy matrix of the sequential run", "", matrix_table(m), ""]
+            if any(x is not None for row in g["matrix"] for x in row):
+                lines += [matrix_table(g), ""]
     plots = [("accuracy after each stage", os.path.join(eval_dir, "seq_matrix.png")),
              ("gold log-likelihood after each stage", os.path.join(eval_dir, "seq_matrix_gold.png")),
              ("PCA of the weight displacements", os.path.join(runs, "analysis", "pca.png")),
@@ -455,11 +488,26 @@ def report(runs: str, out: str) -> str:
         os.makedirs(folder, exist_ok=True)
         shown = [(t, shutil.copyfile(p, os.path.join(folder, os.path.basename(p)))) for t, p in shown]
     if shown:
-        lines += ["## Plots", ""] + [f"![{t}]({rel(p)})" for t, p in shown] + [""]
-    lines += ["## The study's findings, checked", "", "| # | the study's claim | here | the numbers that decide it |",
-              "|---|---|---|---|"]
-    for i, claim, v, text in check_findings(recs, eval_dir, analysis):
-        lines.append(f"| {i} | {claim} | **{v}** | {text} |")
+        lines += ["## Plots" + (" (the first training seed's run)" if n > 1 else ""), ""] + \
+            [f"![{t}]({rel(p)})" for t, p in shown] + [""]
+    def analysis_of(run):
+        path = os.path.join(run, "analysis", "analysis.json")
+        return json.load(open(path)) if os.path.isfile(path) else None
+    checked = [check_findings(rs, os.path.join(r, "eval"), analysis_of(r)) for r, rs in zip(all_runs, recs_by_seed)]
+    lines += ["## The study's findings, checked", ""]
+    if n == 1:
+        lines += ["| # | the study's claim | here | the numbers that decide it |", "|---|---|---|---|"]
+        lines += [f"| {i} | {claim} | **{v}** | {text} |" for i, claim, v, text in checked[0]]
+    else:   # each seed checked alone by the same criterion; the count of seeds where it holds, never a pooled verdict
+        lines += [f"Each finding checked in each training seed's run by the same criterion; the count says in how many "
+                  f"of the {n} it holds.", "", "| # | the study's claim | holds in | " +
+                  " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (n + 3) + "|"]
+        for j, (i, claim, _, _) in enumerate(checked[0]):
+            vs = [c[j][2] for c in checked]
+            lines.append(f"| {i} | {claim} | **{sum(v == 'holds' for v in vs)} of {n}** | " + " | ".join(vs) + " |")
+        lines += ["", "The numbers that decide each finding, per seed:", "", "| # | seed | the numbers |", "|---|---|---|"]
+        lines += [f"| {c[j][0]} | {s} | {c[j][3]} |" for j in range(len(checked[0]))
+                  for c, s in zip(checked, seeds)]
     lines += ["", "Each criterion is written in report.py (FINDINGS, one function each) and was fixed before the run."]
     times = os.path.join(runs, "arena_times.md")
     if os.path.isfile(times):
@@ -477,6 +525,8 @@ def main(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="runs/tiny", help="the arena's run directory (its eval/, analysis/, ...)")
     p.add_argument("--out", default=None, help="where report.md goes (default <runs>/report.md)")
+    p.add_argument("--seed-runs", nargs="+", default=[], metavar="RUNS", help="the same study with other training "
+                   "seeds (arena.sh SEEDS > 1: runs/tiny-seed1 ...): every table as mean ± std over the seeds")
     p.add_argument("--balance", action="store_true", help="print finding 6's table alone (from --eval-dir)")
     p.add_argument("--eval-dir", default=None, help="with --balance: where evaluate.py saved the records "
                                                     "(default <runs>/eval)")
@@ -492,9 +542,10 @@ def main(argv=None):
             res = balance(a.eval_dir or os.path.join(a.runs, "eval"), a.names + a.extra, boots=a.boot)
             print(balance_table(res, a.names, a.claim))
         else:
-            if not os.path.isdir(a.runs):
-                raise UsageError(f"no run directory {a.runs}: run arena.sh first")
-            print(f"wrote {report(a.runs, a.out or os.path.join(a.runs, 'report.md'))}")
+            for r in [a.runs, *a.seed_runs]:
+                if not os.path.isdir(r):
+                    raise UsageError(f"no run directory {r}: run arena.sh first")
+            print(f"wrote {report(a.runs, a.out or os.path.join(a.runs, 'report.md'), a.seed_runs)}")
     except UsageError as e:
         usage_exit(e)
     sys.stdout.flush()

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def arena(runs, **kw):
-    env = dict(os.environ, QUICK="1", RUNS=str(runs), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, QUICK="1", RUNS=str(runs), TOKENIZERS_PARALLELISM="false", PROGRESS="4", **kw.pop("env", {}))
     return subprocess.Popen(["bash", "arena.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **kw)
 
@@ -47,6 +47,8 @@ def test_quick_arena_runs_every_step_and_reports(quick):
     found = re.findall(r"^\| (\d) \| .* \| \*\*(holds|does not hold|not measurable here)\*\* \|", text, re.M)
     assert [int(i) for i, _ in found] == list(range(1, 10)), found
     assert "total (wall)" in text and "![accuracy after each stage](eval/seq_matrix.png)" in text
+    # the lanes' progress: each long step's newest "ETA" line is echoed while it runs
+    assert re.search(r"^\[[\d:]+\]   evaluate-runs: saved .* checkpoint \d+/9 \| \d+s elapsed, ETA \d+s$", out, re.M), out
 
 
 def test_a_killed_arena_resumes_to_the_same_report(quick, tmp_path):
@@ -66,6 +68,27 @@ def test_a_killed_arena_resumes_to_the_same_report(quick, tmp_path):
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-4000:]
     assert numbers(open(again / "report.md").read()) == numbers(open(runs / "report.md").read())
+
+
+def test_seeds_2_runs_the_whole_study_again_and_reports_over_the_seeds(quick):
+    """SEEDS=2 on the finished run (in place, after the tests that compare with its report: a moved run is another
+    recipe to train_seq.py, its parent's path changed): seed 0's steps are kept (training skips, evaluations
+    --resume), the whole study runs again with training seed 1 in <runs>-seed1, and the report gives mean ± std."""
+    runs = quick[0]
+    p = arena(runs, env={"SEEDS": "2"})
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-4000:]
+    assert "seed-1: done in" in out and "[15/15] seed-1: started" in out
+    assert "evaluated before with these settings" in open(runs / "logs" / "evaluate-runs.log").read()
+    seed1 = runs.parent / "tiny-quick-seed1"
+    assert (seed1 / "report.md").is_file() and (seed1 / "seq" / "4-if" / "acl_meta.json").is_file()
+    assert '"seed": 1' in open(seed1 / "seq" / "1-math" / "acl_meta.json").read()
+    assert '"seed": 1' in open(seed1 / "mmopd" / "acl_meta.json").read()
+    text = open(runs / "report.md").read()
+    assert "± is the std over the 2 training seeds" in text and "over 2 training seeds" in text
+    assert "| seed 0 | seed 1 |" in text
+    found = re.findall(r"^\| (\d) \| .* \| \*\*([012]) of 2\*\* \|", text, re.M)
+    assert [int(i) for i, _ in found] == list(range(1, 10)), found
 
 
 @pytest.mark.parametrize("quick_flag", [None, "0", "1"])

@@ -203,6 +203,27 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     assert r.returncode == 0 and os.listdir(tmp_path / "elsewhere") == ["base.json"]
 
 
+def test_resume_keeps_a_record_only_when_it_is_newer_than_the_checkpoint_and_has_the_same_settings(micro, tmp_path):
+    """arena.sh restarted after a kill: a finished evaluation is kept, a stale or differently made one is redone."""
+    model, tok = micro
+    ck = tmp_path / "runs" / "tiny" / "seq" / "1-math"
+    save_checkpoint(str(ck), model, tok, {"method": "test"})
+    fast = [*FAST, "--domains", "math", "--no-gold"]
+    rec = tmp_path / "runs" / "tiny" / "eval" / "seq-1-math.json"
+    assert run_cli("--ckpt", str(ck), *fast).returncode == 0
+    first = json.loads(rec.read_text())["evaluated_at"], rec.stat().st_mtime_ns
+    r = run_cli("--ckpt", str(ck), *fast, "--resume")
+    assert r.returncode == 0 and "evaluated before with these settings" in r.stdout, r.stderr[-2000:]
+    assert (json.loads(rec.read_text())["evaluated_at"], rec.stat().st_mtime_ns) == first
+    assert "| seq-1-math |" in r.stdout   # the kept record is still in the table
+    r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")   # other settings (the gold metric): evaluated again
+    assert r.returncode == 0 and "evaluated before" not in r.stdout
+    later = rec.stat().st_mtime + 10
+    os.utime(ck / "acl_meta.json", (later, later))            # the checkpoint rewritten after its record: again
+    r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")
+    assert r.returncode == 0 and "evaluated before" not in r.stdout
+
+
 def test_cli_save_episodes(micro, tmp_path):
     """--save-episodes writes every scored episode, one JSONL per benchmark, in a directory marked as episodes;
     a directory this project did not write is refused before any work."""
