@@ -635,10 +635,6 @@ def parse_args(argv=None):
                    "from its environment tag, or from mle.py's learned router (saved as <name>-learned)")
     p.add_argument("--router-mix", action="store_true", help="MLE with --router learned: each task served by a blend "
                    "of the experts weighted by the router's probabilities (saved as <name>-learned-mix)")
-    p.add_argument("--across", nargs="+", default=None, metavar="RUNS",
-                   help="instead of evaluating: the accuracy matrices of sequential runs made with different training "
-                        "seeds (RUNS/eval/seq_matrix.json each, e.g. runs/tiny runs/tiny-seed1 runs/tiny-seed2), as "
-                        "mean ± std over the runs")
     p.add_argument("--resume", action="store_true", help="keep a checkpoint's saved record instead of evaluating it "
                    "again when it was made with the same settings after the checkpoint's last file was written "
                    "(arena.sh, restarted after a kill)")
@@ -701,7 +697,7 @@ def resolve(a) -> dict:
     """Check every argument and load the benchmarks; UsageError (one line) on bad input, before anything is written."""
     import mle
     if not a.ckpt:
-        raise UsageError("give --ckpt (checkpoints to evaluate) or --across (saved runs to aggregate)")
+        raise UsageError("give --ckpt: the checkpoints to evaluate")
     if a.suite not in SUITES:
         raise UsageError(f"unknown suite {a.suite!r}; expected one of {', '.join(SUITES)}")
     a.n = parse_n(a.n)
@@ -779,12 +775,6 @@ def resolve(a) -> dict:
 
 def main():
     a = parse_args()
-    if a.across:
-        try:
-            print0(across_seeds(a.across))
-        except UsageError as e:
-            usage_exit(e)
-        return
     try:
         r = resolve(a)
     except UsageError as e:
@@ -864,51 +854,6 @@ def save_episode_files(out_dir, episodes, ckpt) -> str:
         write_meta(tmp, dict(method="episodes", ckpt=os.path.abspath(ckpt), code_revision=code_revision(),
                              counts={b: len(v) for b, v in episodes.items()}))
     return write_atomically(out_dir, write)
-
-
-def across_seeds(run_dirs) -> str:
-    """The accuracy matrices of several runs of one recipe with different training seeds (each RUNS/eval/
-    seq_matrix.json, made by evaluate.py on that run's checkpoints), as mean ± std over the runs for every cell,
-    own-stage gain, forgetting, BWT and FWT, for the sampled score and the gold log-likelihood. The runs must share
-    rows and domains. Saved beside the first run's matrix as seq_matrix_seeds.json; returns the tables."""
-    ms = []
-    for d in run_dirs:
-        path = os.path.join(d, "eval", "seq_matrix.json")
-        if not os.path.isfile(path):
-            raise UsageError(f"no accuracy matrix at {path}: evaluate that run's base and stages first")
-        ms.append(load_results(path))
-    if len({(tuple(m["rows"]), tuple(m["domains"])) for m in ms}) != 1:
-        raise UsageError("the runs' matrices have different rows or domains: " + "; ".join(
-            f"{d}: {m['rows']} x {m['domains']}" for d, m in zip(run_dirs, ms)))
-    out, tables = {"runs": [os.path.abspath(d) for d in run_dirs]}, []
-    for metric in ("score", "gold"):
-        got = [m if metric == "score" else m.get("gold") for m in ms]
-        if any(g is None for g in got):
-            continue
-        rows, domains = got[0]["rows"], got[0]["domains"]
-
-        def spread(values):
-            values = [v for v in values if v is not None]
-            if not values:
-                return None
-            return [statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values)]
-        agg = {"matrix": [[spread([g["matrix"][r][j] for g in got]) for j in range(len(domains))] for r in range(len(rows))],
-               "gain": {d: spread([(g.get("gain") or {}).get(d, [None])[0] for g in got]) for d in domains},
-               "forgetting": {d: spread([g["forgetting"].get(d) for g in got]) for d in domains},
-               **{k: spread([g.get(k) for g in got]) for k in ("bwt", "fwt", "forgetting_mean")}}
-        out[metric] = agg
-
-        def f(x):
-            return "–" if x is None else f"{x[0]:.3f} ± {x[1]:.3f}"
-        lines = [f"{METRIC_NAMES[metric]}, mean ± std over {len(got)} training seeds:", "",
-                 "| after \\ on | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
-        lines += [f"| {row} | " + " | ".join(f(x) for x in vals) + " |" for row, vals in zip(rows, agg["matrix"])]
-        lines.append("| forgetting | " + " | ".join(f(agg["forgetting"][d]) for d in domains) + " |")
-        lines.append("| own-stage gain | " + " | ".join(f(agg["gain"][d]) for d in domains) + " |")
-        lines.append(f"\nBWT {f(agg['bwt'])} | FWT {f(agg['fwt'])} | mean forgetting {f(agg['forgetting_mean'])}")
-        tables.append("\n".join(lines))
-    save_results(os.path.join(run_dirs[0], "eval", "seq_matrix_seeds.json"), out)
-    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":

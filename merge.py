@@ -227,15 +227,18 @@ def search_weights(a, files) -> tuple:
     tried = reused_candidates(a, oracle) if a.scores_from else []
     scratch = os.path.join(os.path.dirname(os.path.abspath(a.out)), f".search-{os.path.basename(a.out)}-{os.getpid()}")
     try:
-        for i, lam in enumerate([] if tried else simplex_grid(len(a.models), a.grid_step), 1):
+        grid, start = [] if tried else simplex_grid(len(a.models), a.grid_step), time.time()
+        for i, lam in enumerate(grid, 1):
             t0 = time.time()
             write_merge(a.base, a.models, lam, a.method, scratch, a.density, a.seed, files=files)
             scores = val_scores(scratch, tasks, a.domains, a.batch)
             obj = objective(scores, a.search, oracle)
             tried.append((lam, scores, obj))
-            print(f"candidate {i}: lambda {' '.join(f'{x:.3f}' for x in lam)} | "
+            el = time.time() - start
+            print(f"candidate {i}/{len(grid)}: lambda {' '.join(f'{x:.3f}' for x in lam)} | "
                   + " ".join(f"{d} {s:.3f}" for d, s in scores.items())
-                  + f" | {a.search} {obj:.4f} | {time.time() - t0:.1f}s", flush=True)
+                  + f" | {a.search} {obj:.4f} | {time.time() - t0:.1f}s | {el:.0f}s elapsed, "
+                  f"ETA {el / i * (len(grid) - i):.0f}s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     # ties go to the first candidate (uniform), also when float rounding of the sums splits them:

@@ -411,6 +411,52 @@ def balance_table(res: dict, names: list, claim: str, domains=DOMAINS) -> str:
     return "\n".join(lines)
 
 
+def across_seeds(run_dirs) -> str:
+    """The accuracy matrices of several runs of one recipe with different training seeds (each RUNS/eval/
+    seq_matrix.json, made by evaluate.py on that run's checkpoints), as mean ± std over the runs for every cell,
+    own-stage gain, forgetting, BWT and FWT, for the sampled score and the gold log-likelihood. The runs must share
+    rows and domains. Saved beside the first run's matrix as seq_matrix_seeds.json; returns the tables."""
+    from evaluate import METRIC_NAMES, load_results, save_results
+    ms = []
+    for d in run_dirs:
+        path = os.path.join(d, "eval", "seq_matrix.json")
+        if not os.path.isfile(path):
+            raise UsageError(f"no accuracy matrix at {path}: evaluate that run's base and stages first")
+        ms.append(load_results(path))
+    if len({(tuple(m["rows"]), tuple(m["domains"])) for m in ms}) != 1:
+        raise UsageError("the runs' matrices have different rows or domains: " + "; ".join(
+            f"{d}: {m['rows']} x {m['domains']}" for d, m in zip(run_dirs, ms)))
+    out, tables = {"runs": [os.path.abspath(d) for d in run_dirs]}, []
+    for metric in ("score", "gold"):
+        got = [m if metric == "score" else m.get("gold") for m in ms]
+        if any(g is None for g in got):
+            continue
+        rows, domains = got[0]["rows"], got[0]["domains"]
+
+        def spread(values):
+            values = [v for v in values if v is not None]
+            if not values:
+                return None
+            return [statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values)]
+        agg = {"matrix": [[spread([g["matrix"][r][j] for g in got]) for j in range(len(domains))] for r in range(len(rows))],
+               "gain": {d: spread([(g.get("gain") or {}).get(d, [None])[0] for g in got]) for d in domains},
+               "forgetting": {d: spread([g["forgetting"].get(d) for g in got]) for d in domains},
+               **{k: spread([g.get(k) for g in got]) for k in ("bwt", "fwt", "forgetting_mean")}}
+        out[metric] = agg
+
+        def f(x):
+            return "–" if x is None else f"{x[0]:.3f} ± {x[1]:.3f}"
+        lines = [f"{METRIC_NAMES[metric]}, mean ± std over {len(got)} training seeds:", "",
+                 "| after \\ on | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+        lines += [f"| {row} | " + " | ".join(f(x) for x in vals) + " |" for row, vals in zip(rows, agg["matrix"])]
+        lines.append("| forgetting | " + " | ".join(f(agg["forgetting"][d]) for d in domains) + " |")
+        lines.append("| own-stage gain | " + " | ".join(f(agg["gain"][d]) for d in domains) + " |")
+        lines.append(f"\nBWT {f(agg['bwt'])} | FWT {f(agg['fwt'])} | mean forgetting {f(agg['forgetting_mean'])}")
+        tables.append("\n".join(lines))
+    save_results(os.path.join(run_dirs[0], "eval", "seq_matrix_seeds.json"), out)
+    return "\n\n".join(tables)
+
+
 # ----------------------------------------------------------------------------- report.md
 
 def run_seeds(run: str) -> list:
@@ -425,7 +471,7 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     finding is checked in every seed. -> out."""
     import json
 
-    from evaluate import across_seeds, matrix_table
+    from evaluate import matrix_table
     all_runs = [runs, *seed_runs]
     recs_by_seed = []
     for r in all_runs:

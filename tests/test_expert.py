@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import evaluate
+import report
 import train_seq
 from common import UsageError
 from envs import make_env, per_domain
@@ -238,10 +239,10 @@ def test_across_training_seeds(tmp_path):
         os.makedirs(run / "eval")
         (run / "eval" / "seq_matrix.json").write_text(json.dumps(m))
         runs.append(str(run))
-    text = evaluate.across_seeds(runs)
+    text = report.across_seeds(runs)
     assert "mean ± std over 3 training seeds" in text and "| seq-1-math | 0.600 ± 0.100 |" in text
     assert "BWT -0.300 ± 0.000" in text
     saved = json.loads(open(os.path.join(runs[0], "eval", "seq_matrix_seeds.json")).read())
     assert saved["score"]["matrix"][1][0] == [pytest.approx(0.6), pytest.approx(0.1), 3]
     with pytest.raises(UsageError, match="no accuracy matrix"):
-        evaluate.across_seeds(runs + [str(tmp_path / "nothing")])
+        report.across_seeds(runs + [str(tmp_path / "nothing")])
