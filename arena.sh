@@ -57,7 +57,7 @@ PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps run
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
 STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle analyze evaluate-runs
-       evaluate-consolidators evaluate-mle-learned evaluate-mixed)
+       evaluate-mixed evaluate-consolidators evaluate-mle-learned)
 for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
 t() {
     local name=$1 s rc=0 i n=0 pid last="" line k=0; shift; s=$(date +%s)
@@ -145,24 +145,25 @@ lanes sdft_mle merges_mmopd
 t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
 # 8. evaluation, 300 tasks per `test` split and 100 per `ood` split (the ood scores sit at the floor, <= 0.02: 100
 #    tasks bound them as well), in two lanes: the base, every stage and oracle, with the accuracy matrix (forgetting,
-#    BWT, FWT, its heatmap in runs/tiny/eval/); and every merge, SDFT, MMOPD and MLE (tag routing), MLE routed by its
-#    learned router (eval/mle-learned.json), and the consolidators on the mixed-domain tasks that need search and
-#    arithmetic in one episode and carry no tag (runs/tiny/eval-mixed/) (~12 min)
+#    BWT, FWT, its heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so its scores are reused), then
+#    the consolidators on the mixed-domain tasks that need search and arithmetic in one episode and carry no tag
+#    (runs/tiny/eval-mixed/); and every merge, SDFT, MMOPD and MLE (tag routing), and MLE routed by its learned
+#    router (eval/mle-learned.json) (~11 min)
 N_EVAL=${N_EVAL:-test=300,ood=100}
 [ "$ARENA" = tiny ] || N_EVAL=""
 eval_runs() {
     t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$RUNS/eval" \
         --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
     cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
+    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_EVAL" \
+        --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
+        "$RUNS/mle" --router learned
 }
 eval_consolidators() {
     t evaluate-consolidators python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
     t evaluate-mle-learned python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
-    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_EVAL" \
-        --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
-        "$RUNS/mle" --router learned
 }
 lanes eval_runs eval_consolidators
 # 9. SEEDS > 1: the whole study (steps 2-8) again with training seeds 1 .. SEEDS-1 from the same base, each in
@@ -171,8 +172,12 @@ lanes eval_runs eval_consolidators
 SEED_RUNS=()
 for s in $(seq 1 $((SEEDS - 1))); do
     R=$RUNS-seed$s
-    [ "$ARENA" != tiny ] || [ -f "$R/base/acl_meta.json" ] || { mkdir -p "$R" && cp -r "$RUNS/base" "$R/base"; }
-    t "seed-$s" env SEEDS=1 SEED="$s" RUNS="$R" BASE="$([ "$ARENA" = tiny ] && echo "$R/base" || echo "$BASE")" bash ./arena.sh
+    CHILD_BASE=$BASE   # full scale: the one local copy of the base model
+    if [ "$ARENA" = tiny ]; then
+        CHILD_BASE=$R/base
+        [ -f "$R/base/acl_meta.json" ] || { mkdir -p "$R" && cp -r "$RUNS/base" "$R/base"; }
+    fi
+    t "seed-$s" env SEEDS=1 SEED="$s" RUNS="$R" BASE="$CHILD_BASE" bash ./arena.sh
     SEED_RUNS+=("$R")
 done
 # the time table of this run (the steps after the last "started" line; with lanes, steps overlap, so the total is the

@@ -201,6 +201,12 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def eta(t0: float, done: int, left: int) -> str:
+    """The end of a progress line: seconds since t0 and, if the `left` units cost what the `done` ones did, to go."""
+    el = time.time() - t0
+    return f"{el:.0f}s elapsed, ETA {el / max(done, 1) * left:.0f}s"
+
+
 # ----------------------------------------------------------------------------- FSDP2
 
 def shard(model, bf16: bool = False, cpu_offload: bool = False):

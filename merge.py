@@ -41,6 +41,7 @@ import torch
 from common import (
     Parser,
     check_output,
+    eta,
     is_checkpoint,
     read_meta,
     read_tensor,
@@ -234,11 +235,9 @@ def search_weights(a, files) -> tuple:
             scores = val_scores(scratch, tasks, a.domains, a.batch)
             obj = objective(scores, a.search, oracle)
             tried.append((lam, scores, obj))
-            el = time.time() - start
             print(f"candidate {i}/{len(grid)}: lambda {' '.join(f'{x:.3f}' for x in lam)} | "
                   + " ".join(f"{d} {s:.3f}" for d, s in scores.items())
-                  + f" | {a.search} {obj:.4f} | {time.time() - t0:.1f}s | {el:.0f}s elapsed, "
-                  f"ETA {el / i * (len(grid) - i):.0f}s", flush=True)
+                  + f" | {a.search} {obj:.4f} | {time.time() - t0:.1f}s | {eta(start, i, len(grid) - i)}", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     # ties go to the first candidate (uniform), also when float rounding of the sums splits them:

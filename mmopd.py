@@ -42,6 +42,7 @@ from common import (
     check_output,
     check_run_files,
     drop_train_state,
+    eta,
     full_state_dict,
     gather_mean,
     init_dist,
@@ -82,9 +83,9 @@ from train_step import (
 
 PRESETS = {
     "tiny": dict(base="runs/tiny/base", prompts=16, group=4, steps=40, lr=2e-4, top_q=16, alpha=0.5, fkl_start=0.05,
-                 fkl_coef=0.2, fkl_warmup=20, save_every=10, micro_batch=16),
+                 fkl_coef=0.2, fkl_warmup=20, save_every=10),
     "qwen3-8b": dict(base="Qwen/Qwen3-8B-Base", prompts=64, group=4, steps=200, lr=1e-6, top_q=16, alpha=0.5,
-                     fkl_start=0.05, fkl_coef=0.2, fkl_warmup=40, save_every=20, micro_batch=4),
+                     fkl_start=0.05, fkl_coef=0.2, fkl_warmup=40, save_every=20),
 }
 STATS = ("rkl", "fkl", "gate", "t_ent", "s_ent", "disagree")
 
@@ -174,8 +175,7 @@ def get_args(argv=None):
     p.add_argument("--plot-out", default=None, metavar="PNG", help="where --plot writes")
     add_scale_flags(p, name)
     add_step_flags(p, name)
-    p.set_defaults(micro_batch=preset["micro_batch"])   # tiny: 16, not 64: a step mixes 30-token math and ~1,000-token
-    add_data_flags(p, train=True)                      # e-commerce episodes, and one micro-batch pads all to the longest
+    add_data_flags(p, train=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)
@@ -363,7 +363,8 @@ def main(argv=None):
         print0(f"[mmopd] resumed at step {start} from {resume_path}")
     metrics = Metrics(a.out, start, wandb=a.wandb, config=vars(a))
     print0(f"[mmopd] {a.steps} steps of {a.prompts} prompts x {a.group} samples, per step {quota}")
-    step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
+    step_kw = dict(micro_batch=a.micro_batch, micro_tokens=a.micro_tokens, agg=a.agg, grad_clip=a.grad_clip,
+                   temperature=a.temperature)
     t1 = time.time()
     step = start
     try:
@@ -382,7 +383,8 @@ def main(argv=None):
             n_gen = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
             backend.sleep()
             # ---- 2. each episode to its own domain's teacher; a failed score drops the episode
-            scores = route_to_teachers(teachers, eps, micro_batch=a.micro_batch, q=a.top_q, temperature=a.temperature)
+            scores = route_to_teachers(teachers, eps, micro_batch=a.micro_batch, micro_tokens=a.micro_tokens, q=a.top_q,
+                                       temperature=a.temperature)
             kept = [(e, s) for e, s in zip(eps, scores) if s is not None]
             dropped = {d: int(all_reduce_sum(sum(1 for e, s in zip(eps, scores) if s is None and e.env == d)))
                        for d in a.domains}
@@ -414,10 +416,9 @@ def main(argv=None):
             dt = time.time() - ts
             metrics.log(dict(row, gen_seconds=round(t_gen, 2), step_seconds=round(dt, 2),
                              gen_tok_s=round(n_gen / max(t_gen, 1e-9), 1)))
-            el = time.time() - t1
             print0(f"[mmopd] step {step}/{a.steps} | loss {loss:+.4f} | beta_f {beta_f:.3f} | gen {t_gen:.1f}s "
                    f"{n_gen / max(t_gen, 1e-9):.0f} tok/s | step {dt:.1f}s {all_reduce_sum(float(sum(len(e.token_ids) for e, _ in kept))) / dt:.0f} tok/s | "
-                   f"{el:.0f}s elapsed, ETA {el / (step - start) * (a.steps - step):.0f}s")
+                   f"{eta(t1, step - start, a.steps - step)}")
             for d in (d for d in a.domains if d not in row["domains"]):
                 print0(f"    {d:<9} no episode scored | dropped {dropped[d]}")
             for d, r in row["domains"].items():

@@ -433,11 +433,9 @@ def across_seeds(run_dirs) -> str:
             continue
         rows, domains = got[0]["rows"], got[0]["domains"]
 
-        def spread(values):
-            values = [v for v in values if v is not None]
-            if not values:
-                return None
-            return [statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values)]
+        def spread(values):   # over_seeds as the JSON keeps it: [mean, std, seeds], None where a seed lacks the value
+            m, s = over_seeds(values)
+            return None if m is None else [m, s or 0.0, len(values)]
         agg = {"matrix": [[spread([g["matrix"][r][j] for g in got]) for j in range(len(domains))] for r in range(len(rows))],
                "gain": {d: spread([(g.get("gain") or {}).get(d, [None])[0] for g in got]) for d in domains},
                "forgetting": {d: spread([g["forgetting"].get(d) for g in got]) for d in domains},

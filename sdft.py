@@ -58,6 +58,7 @@ from common import (
     check_run_files,
     check_writable,
     drop_train_state,
+    eta,
     full_state_dict,
     init_dist,
     is_checkpoint,
@@ -99,9 +100,9 @@ from train_step import (
 
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", prompts="math=64,search=64,ecommerce=32,if=64", group=8, dedup_threshold=0.9,
-                 lr=1e-3, warmup=5, epochs=2, batch=32, save_every=10, micro_batch=16),
+                 lr=1e-3, warmup=5, epochs=2, batch=32, save_every=10),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", prompts=2048, group=8, dedup_threshold=0.9, lr=1e-5, warmup=20,
-                     epochs=2, batch=128, save_every=50, micro_batch=4),
+                     epochs=2, batch=128, save_every=50),
 }
 FILTERS = ("correct", "tools", "compliant", "distinct")
 POOL_FORMAT = "aclarena-sdft-pool/1"
@@ -336,8 +337,7 @@ def get_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace an sdft checkpoint made with another recipe")
     add_scale_flags(p, name)
     add_step_flags(p, name)
-    p.set_defaults(micro_batch=preset["micro_batch"])   # tiny: 16, not 64: a batch mixes 30-token math and ~1,000-token
-    add_data_flags(p, train=True)                      # e-commerce episodes, and one micro-batch pads all to the longest
+    add_data_flags(p, train=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)
@@ -497,18 +497,17 @@ def main(argv=None):
             # own tokens, the agent's turns only (each episode's loss mask; prompt, tool and user tokens are 0):
             #   L = - sum_{episodes e} sum_{t: mask_e,t = 1} log pi(y_e,t | y_e,<t) / (number of such tokens)
             # with --agg token; with --agg seq each episode's mean, averaged over the batch's episodes.
-            loss, stats = train_on(policy, opt, batch, sft_loss, micro_batch=a.micro_batch, agg=a.agg,
-                                   grad_clip=a.grad_clip)
+            loss, stats = train_on(policy, opt, batch, sft_loss, micro_batch=a.micro_batch, micro_tokens=a.micro_tokens,
+                                   agg=a.agg, grad_clip=a.grad_clip)
             dt = time.time() - ts
             n_tok = all_reduce_sum(float(sum(len(e.token_ids) for e in batch)))
             n_loss = all_reduce_sum(float(sum(e.n_sampled for e in batch)))
-            el = time.time() - t1
             metrics.log(dict(step=step + 1, nll=loss, lr=lr_at(a, step, steps), grad_norm=stats["grad_norm"],
                              tok_s=round(n_tok / dt, 1), trained_tok_s=round(n_loss / dt, 1), seconds=round(dt, 2)))
             if step % 5 == 0 or step == steps - 1:
                 print0(f"[sdft] step {step + 1}/{steps} | nll {loss:.4f} | lr {lr_at(a, step, steps):.2e} | grad "
                        f"{stats['grad_norm']:.2f} | {n_tok / dt:.0f} tok/s ({n_loss / dt:.0f} trained) | "
-                       f"{el:.0f}s elapsed, ETA {el / (step + 1 - start) * (steps - step - 1):.0f}s")
+                       f"{eta(t1, step + 1 - start, steps - step - 1)}")
             if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
                 save_train_state(resume_path, policy, opt, dict(step=step + 1), recipe=rec)
         metrics.finish()

@@ -49,6 +49,7 @@ from common import (
     check_run_files,
     check_writable,
     drop_train_state,
+    eta,
     full_state_dict,
     gather_mean,
     init_dist,
@@ -226,7 +227,8 @@ def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name, out=None
     metrics = Metrics(out, 0, wandb=a.wandb, config=vars(a)) if out else None
     try:
         sft_epochs(policy, opt, kept, epochs=a.rft_epochs, batch=max(1, a.micro_batch // 2), micro_batch=a.micro_batch,
-                   grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft", metrics=metrics)
+                   micro_tokens=a.micro_tokens, grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft",
+                   metrics=metrics)
     except FloatingPointError as e:
         raise FloatingPointError(f"[{stage_name}] cold start: {e}") from None
     if metrics:
@@ -264,7 +266,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         print0(f"[{stage_name}] resumed at step {start} from {resume_path}")
     prompts = a.prompts_by_domain[domain]
     per_rank = max(1, prompts // world_size())
-    step_kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip, temperature=a.temperature)
+    step_kw = dict(micro_batch=a.micro_batch, micro_tokens=a.micro_tokens, agg=a.agg, grad_clip=a.grad_clip,
+                   temperature=a.temperature)
     metrics = Metrics(out, start, wandb=a.wandb, config=vars(a)) if out else None
     t0 = time.time()
     for step in range(start + 1, steps + 1):
@@ -298,8 +301,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
             eps, advs = [e for e, _ in kept], [v for _, v in kept]
             # one update per batch by default; with --minibatches k, k updates on k slices of it, the later
             # ones off-policy: the PPO ratio against the pre-update log-probs is what the clip bounds
-            old = episode_logprobs(policy, eps, micro_batch=a.micro_batch, temperature=a.temperature) \
-                if a.minibatches > 1 else None
+            old = episode_logprobs(policy, eps, micro_batch=a.micro_batch, micro_tokens=a.micro_tokens,
+                                   temperature=a.temperature) if a.minibatches > 1 else None
             per = math.ceil(len(eps) / a.group / a.minibatches) * a.group
             for k in range(a.minibatches):
                 sl = slice(k * per, (k + 1) * per)
@@ -307,7 +310,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                 if old:
                     x["old"] = old[sl]
                 if ref_model is not None:
-                    x["ref"] = episode_logprobs(ref_model, eps[sl], micro_batch=a.micro_batch, temperature=a.temperature)
+                    x["ref"] = episode_logprobs(ref_model, eps[sl], micro_batch=a.micro_batch,
+                                                micro_tokens=a.micro_tokens, temperature=a.temperature)
                 lo, st = train_on(policy, opt, eps[sl], lambda lp, b, x: grpo_loss(lp, b, x, a), extras=x, **step_kw)
                 loss, clip_frac = loss + lo / a.minibatches, clip_frac + st.get("clip", 0.0) / a.minibatches
         # ---- wake, then push the new weights into the engine, a few tensors at a time
@@ -315,11 +319,10 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         if n_kept:
             push(backend, policy)
         dt = time.time() - t_step
-        el = time.time() - t0
         tok_s = all_reduce_sum(n_tok) / max(t_gen, 1e-9)
         print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
                f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
-               f"{el:.0f}s elapsed, ETA {el / (step - start) * (steps - step):.0f}s")
+               f"{eta(t0, step - start, steps - step)}")
         if metrics:
             metrics.log(dict(stage=stage_name, step=step, reward=reward, kept_groups=n_kept // a.group, loss=loss,
                              clip=clip_frac, gen_seconds=round(t_gen, 2), gen_tok_s=round(tok_s, 1),

@@ -36,6 +36,7 @@ from common import (
     all_reduce_sum,
     check_wandb,
     checkpoints_activations,
+    eta,
     print0,
     rank,
     world_size,
@@ -47,10 +48,10 @@ from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, cache_kwarg
 # The scale half of every script's presets: how big a pass is and what runs it. Tiny fits a 2-core CPU (the
 # token limits fit a by-the-book e-commerce episode, see envs/rollout.py); qwen3-8b fits an H200 per rank.
 SCALE = {
-    "tiny": dict(backend="hf", gen_batch=128, bf16=False, grad_ckpt=False, micro_batch=64, max_tokens=MAX_TOKENS,
-                 max_turn_tokens=MAX_TURN_TOKENS, save_dtype="fp32"),
-    "qwen3-8b": dict(backend="vllm", gen_batch=256, bf16=True, grad_ckpt=True, micro_batch=4, max_tokens=8192,
-                     max_turn_tokens=2048, save_dtype="bf16"),
+    "tiny": dict(backend="hf", gen_batch=128, bf16=False, grad_ckpt=False, micro_batch=64, micro_tokens=8192,
+                 max_tokens=MAX_TOKENS, max_turn_tokens=MAX_TURN_TOKENS, save_dtype="fp32"),
+    "qwen3-8b": dict(backend="vllm", gen_batch=256, bf16=True, grad_ckpt=True, micro_batch=4, micro_tokens=4 * 8192,
+                     max_tokens=8192, max_turn_tokens=2048, save_dtype="bf16"),
 }
 
 
@@ -91,6 +92,8 @@ def add_step_flags(p, preset: str):
     """The flags of train_on: micro-batch, aggregation, gradient clip, and the sampling temperature that the
     trainer divides its logits by too."""
     p.add_argument("--micro-batch", type=int, default=SCALE[preset]["micro_batch"], help="sequences per forward pass")
+    p.add_argument("--micro-tokens", type=int, default=SCALE[preset]["micro_tokens"], help="padded tokens per "
+                   "forward pass (sequences x the longest): one long episode among short ones gets a pass of its own")
     p.add_argument("--agg", default="token", choices=["token", "seq"], help="loss aggregation: token-mean "
                                                                             "(DAPO) or sequence-mean (GRPO)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
@@ -105,6 +108,7 @@ def check_shared_flags(a):
                     (a.max_tokens > a.max_turn_tokens > 0, "need --max-tokens > --max-turn-tokens > 0"),
                     (0 < a.vllm_gpu_util <= 1, "--vllm-gpu-util must be in (0, 1]"),
                     (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.grad_clip > 0, "--grad-clip must be > 0"),
+                    (a.micro_tokens >= 1, "--micro-tokens must be >= 1"),
                     (a.dist_timeout > 0, "--dist-timeout must be > 0 (minutes)"),
                     (a.temperature > 0, "--temperature must be > 0 for training")]:
         if not ok:
@@ -229,21 +233,32 @@ def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None):
     return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)               # (B, Tc), (B, Tc, k)
 
 
-def micro_batches(episodes, size: int) -> list:
-    """Index lists of at most `size` episodes; a group's samples (same prompt) sit together, so they
-    share one prompt pass, and similar lengths sit together, so there is little padding."""
-    order = sorted(range(len(episodes)), key=lambda i: (episodes[i].prompt_len, episodes[i].token_ids[: episodes[i].prompt_len],
-                                                        len(episodes[i].token_ids)))
-    return [order[s: s + size] for s in range(0, len(order), size)]
+def micro_batches(episodes, size: int, tokens: int = 0) -> list:
+    """Index lists of at most `size` episodes and, with tokens > 0, at most `tokens` padded tokens (pack pads every
+    episode to the longest prompt plus the longest completion); an episode longer than that gets a list of its own.
+    Episodes are sorted by length, so a micro-batch holds similar lengths: one 750-token search episode among 63
+    of 200 tokens would pad them all, and the backward pass costs ~4x. Samples of one prompt that land together
+    share one prompt pass (pack)."""
+    order = sorted(range(len(episodes)), key=lambda i: (len(episodes[i].token_ids),
+                                                        episodes[i].token_ids[: episodes[i].prompt_len]))
+    out, tp, tc = [], 0, 0
+    for i in order:
+        p, c = episodes[i].prompt_len, len(episodes[i].token_ids) - episodes[i].prompt_len
+        if not out or len(out[-1]) >= size or (tokens and (len(out[-1]) + 1) * (max(tp, p) + max(tc, c)) > tokens):
+            out.append([])
+            tp, tc = 0, 0
+        out[-1].append(i)
+        tp, tc = max(tp, p), max(tc, c)
+    return out
 
 
 @torch.no_grad()
-def per_episode(model, episodes, micro_batch: int, score) -> list:
+def per_episode(model, episodes, micro_batch: int, score, micro_tokens: int = 0) -> list:
     """score(model, packed micro-batch) -> a (B, Tc, ...) tensor or a dict of them, run over `episodes` in
     micro-batches; -> per episode the same cut to its completion tokens, on the CPU. Every rank runs as many passes as
     the busiest one (FSDP2's all-gathers are collectives), so ranks may hold different numbers of episodes."""
     pad, dev = pad_id(model), next(model.parameters()).device
-    micro = micro_batches(episodes, micro_batch)
+    micro = micro_batches(episodes, micro_batch, micro_tokens)
     out = [None] * len(episodes)
     for m in range(int(all_reduce_max(len(micro)))):
         if m >= len(micro):
@@ -257,10 +272,10 @@ def per_episode(model, episodes, micro_batch: int, score) -> list:
     return out
 
 
-def episode_logprobs(model, episodes, *, micro_batch: int, temperature: float = 1.0) -> list:
+def episode_logprobs(model, episodes, *, micro_batch: int, temperature: float = 1.0, micro_tokens: int = 0) -> list:
     """Each episode's completion-token log-probs under `model` (the policy before an update: the PPO ratio's
     denominator; a frozen reference or a teacher), one CPU tensor per episode, as train_on's extras take them."""
-    return per_episode(model, episodes, micro_batch, lambda m, b: token_logprobs(m, b, temperature))
+    return per_episode(model, episodes, micro_batch, lambda m, b: token_logprobs(m, b, temperature), micro_tokens)
 
 
 # ----------------------------------------------------------------------------- teachers (distillation)
@@ -310,11 +325,12 @@ def teacher_pass(model, b: dict, q: int, temperature: float = 1.0, chunk_tokens:
 
 @torch.no_grad()
 def teacher_scores(model, episodes, *, micro_batch: int, q: int, temperature: float = 1.0,
-                   chunk_tokens: int = 4096) -> list:
+                   chunk_tokens: int = 4096, micro_tokens: int = 0) -> list:
     """teacher_pass over `episodes` in micro-batches (per_episode): per episode a dict of CPU tensors over its
     completion tokens, lp (T,), ent (T,), top_lp (T, q), top_ids (T, q); None for an episode whose scores are not
     finite (a failing teacher: the caller drops the episode and counts it)."""
-    out = per_episode(model, episodes, micro_batch, lambda m, b: teacher_pass(m, b, q, temperature, chunk_tokens))
+    out = per_episode(model, episodes, micro_batch, lambda m, b: teacher_pass(m, b, q, temperature, chunk_tokens),
+                      micro_tokens)
     return [s if all(torch.isfinite(v).all() for k, v in s.items() if k != "top_ids") else None for s in out]
 
 
@@ -367,9 +383,9 @@ def clipped_surrogate(log_ratio, adv, old, slp, clip_low: float, clip_high: floa
 # ----------------------------------------------------------------------------- one optimizer step
 
 def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "token", grad_clip: float = 1.0,
-             temperature: float = 1.0, extras: dict | None = None, gather: str | None = None):
-    """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of
-    micro_batch sequences, with loss_fn's per-token loss (see the module docstring). The loss is normalised by
+             temperature: float = 1.0, extras: dict | None = None, gather: str | None = None, micro_tokens: int = 0):
+    """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of at most
+    micro_batch sequences and micro_tokens padded tokens (micro_batches), with loss_fn's per-token loss (see the module docstring). The loss is normalised by
     the *global* number of loss tokens (agg "token") or sequences ("seq"), and multiplied by the world size
     because FSDP averages gradients over ranks: N ranks give the same update as one process on the whole batch.
     extras: {name: one value per episode}, cut per micro-batch for loss_fn. gather: the name of an extras entry of
@@ -378,7 +394,7 @@ def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "tok
     Raises FloatingPointError, before the weights change, on a non-finite loss or gradient norm."""
     extras = extras or {}
     pad, dev = pad_id(model), next(model.parameters()).device
-    micro = micro_batches(episodes, micro_batch)
+    micro = micro_batches(episodes, micro_batch, micro_tokens)
     # every rank must run the same number of forward/backward passes (FSDP collectives): pad with
     # zero-weight passes (on one of this rank's episodes, or on a stand-in when it has none)
     n_micro = int(all_reduce_max(len(micro)))
@@ -453,7 +469,7 @@ def keep_successes(episodes) -> list:
 
 
 def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: int, grad_clip: float, seed: int,
-               agg: str = "token", label: str = "sft", metrics=None) -> list:
+               agg: str = "token", label: str = "sft", metrics=None, micro_tokens: int = 0) -> list:
     """`epochs` passes of SFT over this rank's `episodes`, `batch` of them per optimizer step, in a seeded
     shuffle; every rank takes as many steps as the busiest one. metrics: a common.Metrics that gets a row per step.
     -> the loss of every step."""
@@ -466,14 +482,13 @@ def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: in
             rng.shuffle(order)
         chunk = [episodes[order.pop()] for _ in range(min(batch, len(order)))]
         ts = time.time()
-        loss, stats = train_on(model, opt, chunk, sft_loss, micro_batch=micro_batch, agg=agg, grad_clip=grad_clip)
+        loss, stats = train_on(model, opt, chunk, sft_loss, micro_batch=micro_batch, agg=agg, grad_clip=grad_clip,
+                               micro_tokens=micro_tokens)
         losses.append(loss)
         if metrics:
             metrics.log(dict(step=s + 1, nll=loss, grad_norm=stats["grad_norm"], seconds=round(time.time() - ts, 2)))
         if s % 10 == 0 or s == n_steps - 1:
-            el = time.time() - t0
-            print0(f"{label} sft step {s + 1}/{n_steps} | nll {loss:.4f} | {el:.0f}s elapsed, "
-                   f"ETA {el / (s + 1) * (n_steps - s - 1):.0f}s")
+            print0(f"{label} sft step {s + 1}/{n_steps} | nll {loss:.4f} | {eta(t0, s + 1, n_steps - s - 1)}")
     return losses
 
 

@@ -1,5 +1,6 @@
 """evaluate.py: the accuracy matrix by hand, evaluate_model on the micro model and scripted backends, the CLI end to
 end on a fake runs/ layout, bad input, and the full suite on local fixtures in the real formats (no network)."""
+import copy
 import json
 import os
 import re
@@ -160,8 +161,11 @@ FAST = ["--suite", "tiny", "--n", "4", "--domains", "math,if", "--max-turn-token
 def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     model, tok = micro
     runs = tmp_path / "runs" / "tiny"
-    for sub in ("base", "seq/1-math", "seq/2-if"):
-        save_checkpoint(str(runs / sub), model, tok, {"method": "test"})
+    for k, sub in enumerate(("base", "seq/1-math", "seq/2-if")):   # different weights (same ones are evaluated once)
+        m = copy.deepcopy(model)
+        with torch.no_grad():
+            next(m.parameters()).view(-1)[0] += 0.01 * k
+        save_checkpoint(str(runs / sub), m, tok, {"method": "test"})
     r = run_cli("--ckpt", str(runs / "base"), str(runs / "seq/1-math"), *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
     ev = runs / "eval"
@@ -222,6 +226,27 @@ def test_resume_keeps_a_record_only_when_it_is_newer_than_the_checkpoint_and_has
     os.utime(ck / "acl_meta.json", (later, later))            # the checkpoint rewritten after its record: again
     r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")
     assert r.returncode == 0 and "evaluated before" not in r.stdout
+
+
+def test_a_checkpoint_with_the_same_files_as_an_earlier_one_reuses_its_scores(micro, tmp_path):
+    """oracle/math trained like seq/1-math (same start, data and seed) has the same weights: evaluated once; a
+    checkpoint that differs in one weight is evaluated on its own."""
+    model, tok = micro
+    runs = tmp_path / "runs" / "tiny"
+    save_checkpoint(str(runs / "seq" / "1-math"), model, tok, {"method": "seq"})
+    save_checkpoint(str(runs / "oracle" / "math"), model, tok, {"method": "oracle"})   # acl_meta.json differs
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters()).view(-1)[0] += 1.0
+    save_checkpoint(str(runs / "oracle" / "if"), other, tok, {"method": "oracle"})
+    fast = [*FAST, "--domains", "math", "--no-gold"]
+    r = run_cli("--ckpt", str(runs / "seq" / "1-math"), str(runs / "oracle" / "math"), str(runs / "oracle" / "if"), *fast)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[oracle-math] the same files as" in r.stdout and "[oracle-if] the same files" not in r.stdout
+    seq, orc = (json.loads((runs / "eval" / f"{n}.json").read_text()) for n in ("seq-1-math", "oracle-math"))
+    assert orc["benchmarks"] == seq["benchmarks"] and orc["ckpt"] == str(runs / "oracle" / "math")
+    assert orc["same_weights_as"] == str(runs / "seq" / "1-math") and "same_weights_as" not in seq
+    assert "[oracle-if] math/test seed 0" in r.stdout
 
 
 def test_cli_save_episodes(micro, tmp_path):

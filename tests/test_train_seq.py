@@ -80,17 +80,37 @@ def test_micro_batches_do_not_change_the_update(agg):
     eps = _fixed_episodes()
     adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
     out = []
-    for mb in (1, 3, 8):
+    longest = max(len(e.token_ids) for e in eps)
+    for mb, tokens in ((1, 0), (3, 0), (8, 0), (8, 2 * longest)):   # the last: a token budget splits the batch
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(cfg)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         loss, _ = train_step.train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, ns()), micro_batch=mb,
-                                      agg=agg, grad_clip=1e9, extras=dict(adv=adv))
+                                      micro_tokens=tokens, agg=agg, grad_clip=1e9, extras=dict(adv=adv))
         out.append((loss, {k: v.clone() for k, v in model.state_dict().items()}))
     for loss, sd in out[1:]:
         assert loss == pytest.approx(out[0][0], rel=1e-5, abs=1e-7)
         for k in sd:
             torch.testing.assert_close(sd[k], out[0][1][k], rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_respect_the_sequence_and_token_budgets():
+    """Every episode once; at most `size` episodes and `tokens` padded tokens (longest prompt + longest completion,
+    times the count) a micro-batch; an episode over the budget alone; similar lengths together."""
+    from envs.rollout import Episode
+
+    def ep(prompt, n):
+        return Episode(task_id="t", env="math", split="train", sample=0, token_ids=list(range(prompt + n)),
+                       loss_mask=[0] * prompt + [1] * n, logprobs=[0.0] * (prompt + n), prompt_len=prompt)
+    eps = [ep(10, 50) for _ in range(20)] + [ep(12, 700)] + [ep(10, 40 + i) for i in range(20)]
+    micro = train_step.micro_batches(eps, 16, 2048)
+    assert sorted(i for m in micro for i in m) == list(range(len(eps)))
+    for m in micro:
+        assert len(m) <= 16
+        cost = len(m) * (max(eps[i].prompt_len for i in m) + max(len(eps[i].token_ids) - eps[i].prompt_len for i in m))
+        assert cost <= 2048 or len(m) == 1
+    assert [20] in micro                                 # the 712-token episode: a pass of its own
+    assert len(train_step.micro_batches(eps, 16)) == 3    # no token budget: only the count splits (41 -> 16 + 16 + 9)
 
 
 def test_fsdp2_two_cpu_ranks_match_one_process(tmp_path):

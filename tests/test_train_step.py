@@ -86,7 +86,7 @@ def test_rft_epochs_equal_the_pre_refactor_numbers(monkeypatch, tmp_path):
 
     monkeypatch.setattr(train_seq, "rollouts", fixed)
     model, _, init = start()
-    a = argparse.Namespace(rft_samples=2, seed=3, micro_batch=4, rft_lr=1e-2, rft_epochs=2, agg="token", grad_clip=1.0,
+    a = argparse.Namespace(rft_samples=2, seed=3, micro_batch=4, micro_tokens=0, rft_lr=1e-2, rft_epochs=2, agg="token", grad_clip=1.0,
                            temperature=1.0, cold_start="self", wandb=None)
     out = str(tmp_path / "2-search-rft")
     assert train_seq.cold_start(model, None, NoBackend(), None, "search", [None], a, "golden", out=out) == \
