@@ -121,6 +121,14 @@ def test_report_has_every_row_column_and_finding(run):
     assert "seq 100 s" in text and "**0.600 ± 0.049**" in text   # the best of a column in bold, with its SE
 
 
+def test_finding_6_first_but_within_noise_is_not_shown(run):
+    """MLE first by a margin the bootstrap cannot separate from 0: "not shown", never "not measurable here"."""
+    full_record(run / "eval" / "mmopd.json", dict(zip(ALL, (0.6, 0.6, 0.6, 0.59))))   # 59 of MLE's 60 IF tasks
+    text = open(report.report(str(run), str(run / "r.md"))).read()
+    row6 = next(line for line in text.splitlines() if line.startswith("| 6 |"))
+    assert row6.split("|")[3].strip() == "**not shown**" and "mle 1.00" in row6
+
+
 def test_report_says_what_it_cannot_measure(run):
     for name in ("sdft", "mmopd", "merge-uniform", "mle"):
         os.remove(run / "eval" / f"{name}.json")
