@@ -31,6 +31,7 @@ else
 fi
 TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
+N_EVAL_DEFAULT=test=300,ood=100   # evaluate.py's tasks per split (step 8); the full suite takes each benchmark whole
 # each script's reduction under QUICK=1 (empty otherwise)
 Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
 if [ "$QUICK" = 1 ]; then
@@ -41,8 +42,10 @@ if [ "$QUICK" = 1 ]; then
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
     Q_MLE="--steps 1 --prompts 2 --group 2 --router-prompts 16 --router-steps 20"
     Q_ANALYZE="--n 8"
-    N_EVAL=${N_EVAL:-test=10,ood=5}
+    N_EVAL_DEFAULT=test=10,ood=5
 fi
+N_EVAL=${N_EVAL:-$N_EVAL_DEFAULT}
+[ "$ARENA" = tiny ] || N_EVAL=""
 
 # every step's wall time: `t NAME command...` runs it and appends "NAME seconds" to $TIMES; the table prints at the end
 mkdir -p "$RUNS/logs"
@@ -56,8 +59,8 @@ LANES=${LANES:-2}
 PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps running in lanes
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
-STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle analyze evaluate-runs
-       evaluate-mixed evaluate-consolidators evaluate-mle-learned)
+STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned analyze
+       evaluate-runs evaluate-consolidators evaluate-mixed)
 for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
 t() {
     local name=$1 s rc=0 i n=0 pid last="" line k=0; shift; s=$(date +%s)
@@ -104,26 +107,31 @@ BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's direct
 # the training scripts find the stages and the oracles under $RUNS (their default: runs/<preset>), the tiny ones the base
 Q_SEQ="--runs $RUNS --seed $SEED $Q_SEQ" Q_SDFT="--runs $RUNS --seed $SEED $Q_SDFT"
 Q_MMOPD="--runs $RUNS --seed $SEED $Q_MMOPD" Q_MLE="--runs $RUNS --seed $SEED $Q_MLE"
-if [ "$ARENA" = tiny ]; then Q_SEQ="--init $RUNS/base $Q_SEQ" Q_SDFT="--student $RUNS/base $Q_SDFT"; fi
-# 2. the sequential run math -> search -> ecommerce -> if, each stage evaluated on every domain (~5 min), and
-# 3. the four single-task oracles, each one stage from the base (~5 min), side by side
+# (tiny: no 30-task evaluation after each stage, --eval-n 0: step 8 evaluates every stage and oracle on 300 tasks)
+if [ "$ARENA" = tiny ]; then Q_SEQ="--init $RUNS/base --eval-n 0 $Q_SEQ" Q_SDFT="--student $RUNS/base $Q_SDFT"; fi
+# 2. the sequential run math -> search -> ecommerce -> if (~6 min), and
+# 3. the four single-task oracles, each one stage from the base (~6 min), side by side
 seq_run() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS; }
 oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $Q_SEQ $TRAIN_ARGS; }
 lanes seq_run oracles
+# steps 4-6 run in two lanes: analyze-seq, SDFT, MLE and MLE's learned-router evaluation; the merges and MMOPD
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
-t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ --out "$RUNS/analysis/seq" $Q_ANALYZE
+analyze_seq() {
+    t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ \
+        --out "$RUNS/analysis/seq" $Q_ANALYZE
+}
 # 5. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
 #    ways; grid and balanced score candidates on each domain's val tasks of the tiny worlds, so they run in
 #    the tiny arena only
 STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
-# uniform lambda = 1/4 (seconds)
-[ -f "$RUNS/merge/uniform/acl_meta.json" ] || t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" --search uniform --out "$RUNS/merge/uniform" $Q_MERGE
-# the best mean val score on a simplex grid of step 0.5, 11 candidates (~2 min), and the best worst-domain val score
-# relative to the oracles on the same candidates (their val scores reused: ~20 s); then
+# uniform lambda = 1/4 (seconds), the best mean val score on a simplex grid of step 0.5, 11 candidates (~2 min), and the
+# best worst-domain val score relative to the oracles on the same candidates (their val scores reused: ~20 s); then
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
-#    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~3 min)
+#    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~6 min)
 merges_mmopd() {
+    [ -f "$RUNS/merge/uniform/acl_meta.json" ] || t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" \
+        --search uniform --out "$RUNS/merge/uniform" $Q_MERGE
     [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || t merge-grid python merge.py --base "$BASE" \
         --models "${STAGES[@]}" --search grid --grid-step 0.5 --out "$RUNS/merge/grid" $Q_MERGE
     [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || t merge-balanced python merge.py --base "$BASE" \
@@ -136,34 +144,33 @@ merges_mmopd() {
 # 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
 #    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)
+#    and MLE routed by its learned router evaluated as step 8 does (eval/mle-learned.json, ~2.5 min)
 sdft_mle() {
+    analyze_seq
     t sdft $RUN sdft.py --preset "$ARENA" $Q_SDFT $TRAIN_ARGS
     t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $Q_MLE $TRAIN_ARGS
+    t evaluate-mle-learned python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
+        $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
 }
 lanes sdft_mle merges_mmopd
 # 7. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
 t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
-# 8. evaluation, 300 tasks per `test` split and 100 per `ood` split (the ood scores sit at the floor, <= 0.02: 100
-#    tasks bound them as well), in two lanes: the base, every stage and oracle, with the accuracy matrix (forgetting,
-#    BWT, FWT, its heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so its scores are reused), then
-#    the consolidators on the mixed-domain tasks that need search and arithmetic in one episode and carry no tag
-#    (runs/tiny/eval-mixed/); and every merge, SDFT, MMOPD and MLE (tag routing), and MLE routed by its learned
-#    router (eval/mle-learned.json) (~11 min)
-N_EVAL=${N_EVAL:-test=300,ood=100}
-[ "$ARENA" = tiny ] || N_EVAL=""
+# 8. evaluation (N_EVAL: 300 tasks per `test` split and 100 per `ood` split; the ood scores sit at the floor, <= 0.02:
+#    100 tasks bound them as well), in two lanes: the base, every stage and oracle, with the accuracy matrix
+#    (forgetting, BWT, FWT, its heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so its scores are
+#    reused); and every merge, SDFT, MMOPD and MLE (tag routing), then the consolidators on the mixed-domain tasks that
+#    need search and arithmetic in one episode and carry no tag (runs/tiny/eval-mixed/) (~11 min)
 eval_runs() {
     t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$RUNS/eval" \
         --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
     cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
-    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_EVAL" \
-        --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
-        "$RUNS/mle" --router learned
 }
 eval_consolidators() {
     t evaluate-consolidators python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
-    t evaluate-mle-learned python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
-        $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
+    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_EVAL" \
+        --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
+        "$RUNS/mle" --router learned
 }
 lanes eval_runs eval_consolidators
 # 9. SEEDS > 1: the whole study (steps 2-8) again with training seeds 1 .. SEEDS-1 from the same base, each in
