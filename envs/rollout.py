@@ -11,7 +11,8 @@ appended with mask 0. A backend is anything with
     generate(prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: list[int],
              adapters: list[str | None] | None = None) -> list[Generation]
 (adapters: a LoRA adapter directory per prompt, or None for the base weights), plus load_weights(named
-tensors) for the weight push after an update and sleep()/wake() around the training phase. Two are here:
+tensors) for the weight push after an update and sleep()/wake() around the training phase; a backend may also
+offer stream() (continuous batching, HFBackend's), which rollout() then prefers. Two are here:
 HFBackend (transformers, the default, any device) and VLLMBackend (a colocated vLLM engine; optional import);
 every script gets its backend from make_backend.
 
@@ -112,15 +113,23 @@ def _preallocated_cache(n_layers: int, capacity: int):
             self.keys, self.values = self.kbuf[:, :, : n + q], self.vbuf[:, :, : n + q]
             return self.keys, self.values
 
-        def batch_select_indices(self, indices):
+        def batch_select_indices(self, indices):   # the rows' filled positions only, into new buffers
             if self.is_initialized:
                 n = self.keys.shape[-2]
-                self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
-                self.keys, self.values = self.kbuf[:, :, :n], self.vbuf[:, :, :n]
+                kbuf, vbuf = self.kbuf.new_empty((len(indices), *self.kbuf.shape[1:])), \
+                    self.vbuf.new_empty((len(indices), *self.vbuf.shape[1:]))
+                kbuf[:, :, :n], vbuf[:, :, :n] = self.kbuf[indices, :, :n], self.vbuf[indices, :, :n]
+                self.adopt(kbuf, vbuf, n)
+
+        def adopt(self, kbuf, vbuf, n):   # buffers filled elsewhere (HFBackend._stack), n positions of them in use
+            self.is_initialized, self.device, self.kbuf, self.vbuf = True, kbuf.device, kbuf, vbuf
+            self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
 
     return Cache(layers=[Preallocated() for _ in range(n_layers)])
 
 
+COMPACT = 0.25    # HFBackend.stream: ended rows leave the batch (a copy of its cache) once they are this share of it
+ADMIT = 0.5       # HFBackend.stream: waiting rows join the batch when they are at least this share of the decoding ones
 SHARED_MIN = 64   # tokens: a shorter common prefix is not split off (its merge costs about what its shared reads save)
 
 
@@ -180,6 +189,23 @@ def _attention(model, name):
         config._attn_implementation = before
 
 
+def _sample(logits, temperature: float) -> tuple:
+    """One token per row from logits (b, V) at `temperature` (0: greedy), from the full distribution by inverse CDF:
+    the first token whose cumulative probability exceeds u ~ U[0, total), so a token of probability 0 is never drawn
+    (torch.multinomial draws the same distribution, ~12x slower on a CPU). -> tokens (b,), their log-probs (b,)."""
+    greedy = temperature <= 0
+    logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), -1)          # (b, V)
+    if torch.isnan(logp).any():   # weights that diverged: say so, rather than fail while sampling
+        raise FloatingPointError("non-finite logits while sampling: the weights have diverged")
+    if greedy:
+        nxt = logp.argmax(-1)
+    else:
+        cdf = logp.exp().cumsum(-1)
+        u = torch.rand(cdf.size(0), 1, device=logits.device) * cdf[:, -1:]
+        nxt = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.size(-1) - 1)
+    return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
+
+
 class HFBackend:
     """A transformers model behind a short decode loop: batched (left-padded, positions from the mask),
     KV cache, one prefill per distinct prompt, sampling from the full distribution by inverse CDF (no top-k,
@@ -192,8 +218,11 @@ class HFBackend:
     On a CPU, a prefix that every prompt of a call starts with (SHARED_MIN tokens or more) is prefilled once and kept
     apart, and the rows' caches hold only what follows it (shared_prefix_attention); it stays while the prompts still
     start with it, so an e-commerce rollout prefills its system prompt once.
-    reuse_kv False: every call prefills its prompts whole with the model's own attention (the reference the kept
-    path is tested against)."""
+    rollout() drives multi-turn episodes through stream() (continuous batching: an episode's next turn joins the
+    running batch as soon as its environment has answered, on its kept cache) when the environments run in-process
+    and no adapters are given; else through generate(), turn by turn, on the caches kept from the previous call.
+    reuse_kv False: every call prefills its prompts whole with the model's own attention, turn by turn (the
+    reference both kept paths are tested against)."""
 
     def __init__(self, model, tokenizer, max_batch: int = 64, reuse_kv: bool = True):
         self.model, self.tok, self.max_batch, self.reuse_kv = model, tokenizer, max_batch, reuse_kv
@@ -314,18 +343,8 @@ class HFBackend:
         lps = [[] for _ in prompts]
         stopped = [False] * len(prompts)
         stops = torch.tensor(list(stop_ids), device=dev)
-        greedy = temperature <= 0
         for step in range(max_new_tokens):
-            logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), -1)     # (b, V)
-            if torch.isnan(logp).any():   # weights that diverged: say so, rather than fail while sampling
-                raise FloatingPointError("non-finite logits while sampling: the weights have diverged")
-            if greedy:
-                nxt = logp.argmax(-1)                                                          # (b,)
-            else:   # inverse CDF: the first token whose cumulative probability exceeds u ~ U[0, total); a token of
-                cdf = logp.exp().cumsum(-1)   # probability 0 is never drawn. (torch.multinomial draws the same
-                u = torch.rand(cdf.size(0), 1, device=dev) * cdf[:, -1:]   # distribution, ~12x slower on a CPU)
-                nxt = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.size(-1) - 1)
-            nxt_lp = logp.gather(-1, nxt[:, None]).squeeze(-1)                                # (b,)
+            nxt, nxt_lp = _sample(logits, temperature)                                         # (b,), (b,)
             done = torch.isin(nxt, stops)
             for i, t, lp, d in zip(live.tolist(), nxt.tolist(), nxt_lp.tolist(), done.tolist()):
                 toks[i].append(t)
@@ -348,6 +367,79 @@ class HFBackend:
             logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
                                 **kv).logits[:, -1]
         return [Generation(t, lp, st) for t, lp, st in zip(toks, lps, stopped)]
+
+    @torch.no_grad()
+    def stream(self, prompts, budgets, temperature, stop_ids, turn_done):
+        """Continuous batching for multi-turn episodes (rollout() uses it with in-process environments and no
+        adapters): a row whose turn ends leaves the decode batch at once; turn_done([(key, Generation), ...]), called
+        with the rows that ended at one step (key: the prompt's index), steps their environments and returns
+        [(key, next prompt, budget), ...] for the episodes that go on. Those wait with their caches, and join the
+        batch when at least ADMIT x as many wait as decode (or it is empty, or the rest are waiting): their replies
+        are prefilled onto their caches (_kept_parts) and stacked with the live rows (_stack). A turn no longer waits
+        for the batch's slowest row, and the decode batch stays full while the episodes last. Each row stops at a
+        stop token or at its own budget; a cache is freed when its episode ends. Greedy rows are those of
+        generate() turn by turn; sampled rows draw from the same distribution in another order of the RNG."""
+        dev, n_layers = next(self.model.parameters()).device, self.model.config.num_hidden_layers
+        stops = torch.tensor(list(stop_ids), device=dev)
+        waiting = [(k, p, b, None) for k, (p, b) in enumerate(zip(prompts, budgets))]   # (key, prompt, budget, kept)
+        live, batch = [], None     # live: per row [key, prompt length, budget, tokens, log-probs]; batch: as _stack's
+        split = dev.type == "cpu"
+        with _attention(self.model, "aclarena-shared" if split else None):
+            shared = self._shared_prefix(prompts, None) if split else None
+            P, kw = (len(shared[0]), {"shared_prefix": shared[1]}) if shared else (0, {})
+            while waiting or len(live) > live.count(None):
+                dead = live.count(None)                               # rows whose turn ended, still in the batch
+                n = min(self.max_batch - (len(live) - dead), len(waiting))    # how many can join now
+                admit = n > 0 and (dead == len(live) or n >= ADMIT * (len(live) - dead))
+                if dead and (admit or dead >= COMPACT * len(live)):   # ended rows leave the batch and the cache
+                    stay = [r for r, row in enumerate(live) if row is not None]
+                    cache, logits, attn, pos = batch
+                    live, batch = [live[r] for r in stay], None
+                    if stay:
+                        idx = torch.tensor(stay, device=dev)
+                        cache.batch_select_indices(idx)
+                        batch = cache, logits[idx], attn[idx], pos[idx]
+                if admit:
+                    take, waiting = waiting[:n], waiting[n:]
+                    parts = [] if batch is None else [(list(range(len(live))), *batch[1:], batch[0])]
+                    fresh = [i for i, x in enumerate(take) if x[3] is None]
+                    if fresh:
+                        c, lg, a, last = self._prefill([take[i][1] for i in fresh], 0, dev, P, kw)
+                        parts.append(([len(live) + i for i in fresh], lg, a, last, c))
+                    kept = [i for i, x in enumerate(take) if x[3] is not None]
+                    if kept:
+                        for rows, *rest in self._kept_parts([take[i][1] for i in kept], [take[i][3] for i in kept],
+                                                            dev, P, kw):
+                            parts.append(([len(live) + kept[r] for r in rows], *rest))
+                    live += [[k, len(p), b, [], []] for k, p, b, _ in take]
+                    batch = self._stack(parts, len(live), max(b - len(t) for _, _, b, t, _ in live))
+                cache, logits, attn, pos = batch
+                nxt, nxt_lp = _sample(logits, temperature)   # (ended rows sample too, and are ignored)
+                hit = torch.isin(nxt, stops).tolist()
+                ended = []
+                for r, (row, t, lp) in enumerate(zip(live, nxt.tolist(), nxt_lp.tolist())):
+                    if row is not None:
+                        row[3].append(t)
+                        row[4].append(lp)
+                        if hit[r] or len(row[3]) >= row[2]:
+                            ended.append(r)
+                if ended:
+                    go_on = turn_done([(live[r][0], Generation(live[r][3], live[r][4], hit[r])) for r in ended])
+                    row_of = {live[r][0]: r for r in ended}
+                    for k, p, b in go_on:   # the cache of everything the row fed (not its stop token), for its reply
+                        r, valid = row_of[k], attn[row_of[k]].bool()
+                        fed = live[r][1] + len(live[r][3]) - 1
+                        waiting.append((k, p, b, (fed, [tuple(x[r][:, valid].clone() for x in _layer_kv(cache, layer))
+                                                         for layer in range(n_layers)])))
+                    for r in ended:
+                        live[r] = None
+                    if live.count(None) == len(live):
+                        continue
+                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+                pos = pos + 1
+                logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None],
+                                    use_cache=True, **{cache_kwarg(self.model): cache}, **kw).logits[:, -1]
+                batch = cache, logits, attn, pos
 
     def _prefill(self, prompts, room, dev, P=0, kw=None):
         """Every distinct prompt prefilled once (left-padded) and its cache rows copied to its samples; the cache has
@@ -380,30 +472,46 @@ class HFBackend:
 
     def _prefill_on_kept(self, prompts, found, room, dev, P=0, kw=None):
         """Each prompt's kept prefix cache loaded and only the rest of the prompt (the environment's reply) prefilled
-        onto it. Rows are prefilled in groups by the length of that rest (powers of two), so that a group pads its
-        replies to its own longest and not to the batch's (that halved the attention work of an e-commerce turn);
-        the groups' caches are then laid side by side, left-padded to the longest, into one cache with `room`
-        positions left for decoding. P, kw: as _prefill (the kept caches begin after the shared prefix). -> as _prefill."""
+        onto it (_kept_parts), laid into one cache with `room` positions left for decoding. P, kw: as _prefill (the
+        kept caches begin after the shared prefix). -> as _prefill."""
+        return self._stack(self._kept_parts(prompts, found, dev, P, kw), len(prompts), room)
+
+    def _kept_parts(self, prompts, found, dev, P=0, kw=None, first_row=0):
+        """_prefill_group on the prompts in groups by the length of their rest (powers of two), so that a group pads
+        its replies to its own longest and not to the batch's (that halved the attention work of an e-commerce
+        turn). -> [(rows (numbered from first_row), logits, attention mask, last positions, cache)], for _stack."""
         rest = [p[n:] for p, (n, _) in zip(prompts, found)]
         groups = {}
         for b, r in enumerate(rest):
             groups.setdefault((len(r) - 1).bit_length(), []).append(b)
-        parts = [(rows, *self._prefill_group([rest[b] for b in rows], [found[b] for b in rows], dev, P, kw))
-                 for rows in groups.values()]
-        B, T, n_layers = len(prompts), max(p[2].size(1) for p in parts), self.model.config.num_hidden_layers
+        return [([first_row + b for b in rows], *self._prefill_group([rest[b] for b in rows], [found[b] for b in rows],
+                                                                     dev, P, kw))
+                for rows in groups.values()]
+
+    def _stack(self, parts, B, room):
+        """Parts of a batch, [(rows, logits (b, V), attention mask (b, t), last positions (b,), cache)], laid side by
+        side into one batch of B rows: each part's rows right-aligned to the longest part (left-padded, masked; a
+        part's columns of padding only are dropped), written straight into the buffers of one cache with `room`
+        positions left for decoding. -> cache, logits (B, V), attention mask (B, T), last positions (B,)."""
+        dev, n_layers = parts[0][1].device, self.model.config.num_hidden_layers
+        lead = [int(a.any(0).long().argmax()) for _, _, a, _, _ in parts]     # leading all-padding columns
+        T = max(a.size(1) - s for (_, _, a, _, _), s in zip(parts, lead))
         attn = torch.zeros((B, T), dtype=torch.long, device=dev)
         logits = torch.empty((B, parts[0][1].size(-1)), dtype=parts[0][1].dtype, device=dev)
         pos = torch.empty(B, dtype=torch.long, device=dev)
-        kv = [[x.new_zeros((B, x.shape[1], T, x.shape[-1])) for x in _layer_kv(parts[0][4], l)] for l in range(n_layers)]
-        for rows, lg, a, last, c in parts:
-            r, t = torch.tensor(rows, device=dev), a.size(1)
-            attn[r, T - t:], logits[r], pos[r] = a, lg, last
-            for l in range(n_layers):
-                for full, x in zip(kv[l], _layer_kv(c, l)):
-                    full[r, :, T - t:] = x
+        for (rows, lg, a, last, _), s in zip(parts, lead):
+            r = torch.as_tensor(rows, device=dev)
+            attn[r, T - a.size(1) + s:], logits[r], pos[r] = a[:, s:], lg, last
         cache = _preallocated_cache(n_layers, T + room)
-        for l, (k, v) in enumerate(kv):
-            cache.update(k, v, l)
+        for layer in range(n_layers):
+            k0, v0 = _layer_kv(parts[0][4], layer)
+            kbuf = k0.new_empty((B, k0.shape[1], T + room, k0.shape[-1]))
+            vbuf = v0.new_empty((B, v0.shape[1], T + room, v0.shape[-1]))
+            kbuf[:, :, :T], vbuf[:, :, :T] = 0, 0      # padding must be finite: masked scores are -inf added to them
+            for (rows, _, a, _, c), s in zip(parts, lead):
+                r, (k, v) = torch.as_tensor(rows, device=dev), _layer_kv(c, layer)
+                kbuf[r, :, T - a.size(1) + s: T], vbuf[r, :, T - a.size(1) + s: T] = k[:, :, s:], v[:, :, s:]
+            cache.layers[layer].adopt(kbuf, vbuf, T)
         return cache, logits, attn, pos
 
     def _prefill_group(self, rest, found, dev, P=0, kw=None):
@@ -786,13 +894,12 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
         everything.append((env, state, ep))
         if len(ids) >= max_tokens:  # no room to answer at all
             state.done = state.truncated = True
-    live = [x for x in everything if not x[1].done]
-    while live:
-        budget = min(max_turn_tokens, max(max_tokens - len(ep.token_ids) for _, _, ep in live))
-        kw = dict(adapters=[ep.adapter for _, _, ep in live]) if adapters else {}
-        gens = backend.generate([ep.token_ids for _, _, ep in live], budget, temperature, chat.stop_ids, **kw)
+
+    def end_turns(ended):
+        """[((env, state, episode), Generation)] whose turn ended -> those that go on: the turn's tokens appended, the
+        environments' answers (at once where they wait on an outside service) rendered after them."""
         stepped = []
-        for (env, state, ep), g in zip(live, gens):
+        for (env, state, ep), g in ended:
             room = max_tokens - len(ep.token_ids)
             toks, lps, stopped = g.token_ids[:room], g.logprobs[:room], g.stopped and len(g.token_ids) <= room
             ep.token_ids += toks
@@ -806,7 +913,6 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
                 state.done = state.truncated = True
                 continue
             stepped.append((env, state, ep, text, ended_eos))
-        # the environments answer every episode's turn: at once where they wait on an outside service
         answers = env_calls([(env.step, (state, text)) for env, state, _, text, _ in stepped], workers)
         still = []
         for (env, state, ep, _, ended_eos), obs in zip(stepped, answers):
@@ -825,7 +931,25 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
             ep.loss_mask += [0] * len(obs_ids)
             ep.logprobs += [0.0] * len(obs_ids)
             still.append((env, state, ep))
-        live = still
+        return still
+
+    def budget(ep):
+        return min(max_turn_tokens, max_tokens - len(ep.token_ids))
+
+    live = [x for x in everything if not x[1].done]
+    if getattr(backend, "reuse_kv", False) and getattr(backend, "stream", None) and not adapters and workers <= 1 and live:
+        # continuous batching: an episode's next turn starts as soon as its environment has answered
+        def turn_done(ended):
+            return [(key[id(ep)], list(ep.token_ids), budget(ep)) for _, _, ep in end_turns([(live[k], g) for k, g in ended])]
+        key = {id(ep): k for k, (_, _, ep) in enumerate(live)}
+        backend.stream([list(ep.token_ids) for _, _, ep in live], [budget(ep) for _, _, ep in live], temperature,
+                       chat.stop_ids, turn_done)
+        live = []
+    while live:   # turn by turn: every live episode's turn in one call, then every environment's answer
+        kw = dict(adapters=[ep.adapter for _, _, ep in live]) if adapters else {}
+        gens = backend.generate([ep.token_ids for _, _, ep in live], max(budget(ep) for _, _, ep in live),
+                                temperature, chat.stop_ids, **kw)
+        live = end_turns(list(zip(live, gens)))
     if hasattr(backend, "forget"):   # the episodes are over: free the caches of their last turns
         backend.forget()
     for env, state, ep in everything:

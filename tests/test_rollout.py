@@ -179,7 +179,8 @@ def test_environment_calls_of_one_turn_run_at_once_against_a_slow_service(micro)
 
 
 class Watched(HFBackend):
-    """HFBackend that records, after each call, its prompts and how many caches it keeps."""
+    """HFBackend that records, after each turn-by-turn call, its prompts and how many caches it keeps; and for
+    continuous batching (stream) the size of every batch it stacks and of every forward pass."""
 
     def generate(self, prompts, *a, **kw):
         out = super().generate(prompts, *a, **kw)
@@ -188,11 +189,21 @@ class Watched(HFBackend):
         self.__dict__.setdefault("shared_lens", []).append([len(s[0]) for s in self.shared.values() if s])
         return out
 
+    def _stack(self, parts, B, room):
+        self.__dict__.setdefault("stacked", []).append(B)
+        return super()._stack(parts, B, room)
+
+
+class TurnByTurn(Watched):
+    stream = None        # rollout() then calls generate() once per turn, on the kept caches
+
 
 def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed():
-    """Multi-turn episodes continue on their kept KV cache: greedy rollouts on every domain (the tiny base) are the
-    re-prefill path's token for token, with the same masks and rewards; sampled ones have the same log-probs within
-    float tolerance; no cache outlives its rollout, and within one the kept ones are at most one call's rows."""
+    """Multi-turn episodes continue on their kept KV caches, turn by turn (generate) and with continuous batching
+    (stream): greedy rollouts on every domain (the tiny base) are the re-prefill path's token for token, with the
+    same masks and rewards, also with a batch cap of 3 rows (episodes wait, then join a running batch); sampled
+    log-probs equal the model's teacher-forced ones within float tolerance; no cache outlives its rollout, and
+    within one the kept ones are at most one call's rows, the stream's batch at most max_batch rows."""
     import os
 
     from common import load_policy
@@ -204,21 +215,31 @@ def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed():
         env = make_env(d)
         items = [(env, t) for t in env.tasks("test", n=4, seed=0)]
         plain = rollout(HFBackend(model, tok, reuse_kv=False), tok, items, 2, temperature=0.0, seed=0)
-        backend = Watched(model, tok)
+        want = [(e.token_ids, e.loss_mask, e.reward) for e in plain]
+        backend = TurnByTurn(model, tok)
         kept = rollout(backend, tok, items, 2, temperature=0.0, seed=0)
         sizes = backend.sizes
-        assert [(e.token_ids, e.loss_mask, e.reward) for e in kept] == [(e.token_ids, e.loss_mask, e.reward) for e in plain], d
+        assert [(e.token_ids, e.loss_mask, e.reward) for e in kept] == want, d
         assert backend.kept == {} and all(n_kept <= n for n, n_kept in sizes), (d, sizes)
+        for cap in (64, 3):
+            streamed = Watched(model, tok, max_batch=cap)
+            assert [(e.token_ids, e.loss_mask, e.reward) for e in rollout(streamed, tok, items, 2, temperature=0.0,
+                                                                          seed=0)] == want, (d, cap)
+            assert 0 < max(streamed.stacked) <= cap and not hasattr(streamed, "sizes"), streamed.__dict__.keys()
+            assert streamed.kept == {} and streamed.shared == {}
         if d == "ecommerce":
             assert max(e.turns for e in kept) > 2 and len(sizes) > 2      # multi-turn: later calls started on caches
+            assert len(streamed.stacked) > 3                                # episodes joined a running batch
             # the system prompt with its tool schemas was split off once and kept for every later turn
             assert all(lens and lens[0] >= 64 for lens in backend.shared_lens), backend.shared_lens
             assert len({tuple(lens) for lens in backend.shared_lens}) == 1, backend.shared_lens
-            sampled = rollout(HFBackend(model, tok), tok, items, 1, seed=1)
-            again = rollout(HFBackend(model, tok, reuse_kv=False), tok, items, 1, seed=1)
-            for x, y in zip(sampled, again):
-                if x.token_ids == y.token_ids:
-                    torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+            for b in (HFBackend(model, tok, max_batch=3), TurnByTurn(model, tok)):
+                for e in rollout(b, tok, items, 1, seed=1):
+                    ids = torch.tensor([e.token_ids])
+                    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+                    forced = logp.gather(-1, ids[0, 1:, None])[:, 0]
+                    on = torch.tensor(e.loss_mask[1:]).bool()
+                    torch.testing.assert_close(torch.tensor(e.logprobs[1:])[on], forced[on], atol=1e-4, rtol=0)
 
 
 def test_shared_prefix_attention_is_attention_over_prefix_and_own_tokens():
