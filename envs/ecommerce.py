@@ -13,12 +13,18 @@ with other tools and another policy (as tau3's telecom differs from retail).
 
 Full scale: `data=DIR` holds tau-bench v1 retail data (users.json, orders.json, products.json,
 tasks_<split>.py or .json, wiki.md) or tau2/tau3 data (db.json, tasks.json, split_tasks.json,
-policy.md). The user is an LLM behind an OpenAI-compatible chat endpoint (`user_url`); v1 task files
-are Python, so they are read with `ast` as data and never imported.
+policy.md): the retail domain, or tau3's mock domain (users and their to-do tasks; user_db.json holds the
+user's notification inbox, which the user model works with tools of its own). tau2 tasks' initial states
+(initialization data and actions, a message history whose tool calls are replayed) are set up as tau2
+does. The user is an LLM behind an OpenAI-compatible chat endpoint (`user_url`); v1 task files are
+Python, so they are read with `ast` as data and never imported. tau3's telecom domain is not implemented.
 
 Reward (tau-bench): 1 iff the final database equals the initial one with the task's gold actions
 replayed on it, every required output string appears in the agent's words, and the episode ended
 properly (the user said ###STOP### or the agent transferred; a truncated episode scores 0, as in tau2).
+A tau2 task may name other checks in its reward_basis (the product is the reward): ACTION (every gold
+action was called with its arguments), ENV_ASSERTION (assertions on the final databases), NL_ASSERTION
+(judged by the LLM at user_url).
 Metrics: success, db_match, outputs_ok, tool_calls, tool_errors, turns, user_error.
 """
 import ast
@@ -339,6 +345,49 @@ def add_data(db, line_id, gb):
     return line
 
 
+# tau3's mock domain (full scale only, out-of-domain): users and their to-do tasks; the user (not the agent) has a
+# notification inbox with tools of its own. Ids and fields as tau3's data (db.json, user_db.json), so its tasks'
+# gold actions, initial states and assertions apply unchanged.
+
+def create_task(db, user_id, title, description=None):
+    user = _get(db["users"], user_id, "user")
+    task_id = f"task_{len(db['tasks']) + 1}"
+    db["tasks"][task_id] = {"task_id": task_id, "title": title, "description": description, "status": "pending"}
+    user["tasks"].append(task_id)
+    return db["tasks"][task_id]
+
+
+def get_users(db):
+    return list(db["users"].values())
+
+
+def update_task_status(db, task_id, status):
+    task = _get(db["tasks"], task_id, "task")
+    if status not in ("pending", "completed"):
+        raise ToolError("status must be 'pending' or 'completed'")
+    task["status"] = status
+    return task
+
+
+def check_notifications(db):
+    return list(db.get("notifications", {}).values())
+
+
+def dismiss_notification(db, notification_id):
+    _get(db.setdefault("notifications", {}), notification_id, "notification")["status"] = "read"
+    return f"Notification {notification_id} dismissed"
+
+
+# tau3's environment assertions (a task's env_assertions name them): checks of the final databases, never tools
+ASSERTIONS = {
+    "assert_number_of_tasks": lambda db, user_id, expected_number:
+        len(_get(db["users"], user_id, "user")["tasks"]) == expected_number,
+    "assert_task_status": lambda db, task_id, expected_status: _get(db["tasks"], task_id, "task")["status"] == expected_status,
+    "assert_notification_status": lambda db, notification_id, expected_status:
+        _get(db.get("notifications", {}), notification_id, "notification")["status"] == expected_status,
+}
+
+
 S, SL, INT = {"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "integer"}
 ADDRESS = {k: S for k in ("address1", "address2", "city", "state", "country", "zip")}
 GENERIC = [
@@ -377,18 +426,29 @@ TELECOM = [
     (change_plan, "Move an active line to another plan.", {"line_id": S, "plan_id": S}),
     (add_data, "Add 1-10 GB of data to a line ($5 per GB).", {"line_id": S, "gb": INT}),
 ] + GENERIC
-# world -> {tool name: (function, schema)}
-TOOLS = {world: {fn.__name__: (fn, function_schema(fn.__name__, desc, props)) for fn, desc, props in table}
-         for world, table in (("retail", RETAIL), ("telecom", TELECOM))}
+MOCK = [
+    (create_task, "Create a new task for a user.", {"user_id": S, "title": S, "description": S}, ["user_id", "title"]),
+    (get_users, "Get every user, with their task ids.", {}),
+    (update_task_status, "Set a task's status: 'pending' or 'completed'.", {"task_id": S, "status": S}),
+    (transfer_to_human_agents, "Transfer the user to a human agent, with a summary.", {"summary": S}),
+]
+MOCK_USER = [   # the user's own tools (tau3's dual control), called by the LLM user, on its own database
+    (check_notifications, "Check every notification in your inbox.", {}),
+    (dismiss_notification, "Dismiss (mark as read) a notification.", {"notification_id": S}),
+]
+# world -> {tool name: (function, schema)}; "<world>_user": the user's tools there
+TOOLS = {world: {fn.__name__: (fn, function_schema(fn.__name__, desc, props, *req)) for fn, desc, props, *req in table}
+         for world, table in (("retail", RETAIL), ("telecom", TELECOM), ("mock", MOCK), ("mock_user", MOCK_USER))}
 SCHEMAS = {world: [schema for _, schema in tools.values()] for world, tools in TOOLS.items()}
 WRITES = {"cancel_pending_order", "modify_pending_order_address", "modify_pending_order_items",
           "modify_pending_order_payment", "modify_user_address", "return_delivered_order_items",
-          "exchange_delivered_order_items", "suspend_line", "resume_line", "change_plan", "add_data"}
+          "exchange_delivered_order_items", "suspend_line", "resume_line", "change_plan", "add_data", "create_task",
+          "update_task_status", "dismiss_notification"}
 
 
 def run_tool(world, db, name, args):
     """(text, ok) of one call on `db` (changed in place for write tools); never raises on model input."""
-    if name not in TOOLS[world]:
+    if name not in TOOLS.get(world, {}):
         return f"Error: unknown tool {name[:40]!r}", False
     fn, schema = TOOLS[world][name]
     problem = check_arguments(schema, args)
@@ -410,13 +470,82 @@ def _copy(db):
     return json.loads(json.dumps(db))  # a deep copy, and much faster than copy.deepcopy on the real store
 
 
-def replay(world, db, actions):
-    """The database after running the gold `actions` on a copy of `db` (errors are ignored, as in tau-bench)."""
-    db = _copy(db)
+def replay(world, db, actions, user_db=None):
+    """The database after running the gold `actions` on a copy of `db` (errors are ignored, as in tau-bench); with
+    user_db, (db, user db), the actions whose requestor is the user run on a copy of that."""
+    db, udb = _copy(db), _copy(user_db or {})
     for a in actions:
         if a["name"] != "transfer_to_human_agents":
-            run_tool(world, db, a["name"], a["arguments"])
-    return db
+            user = a.get("requestor") == "user"
+            run_tool(world + "_user" if user else world, udb if user else db, a["name"], a["arguments"])
+    return db if user_db is None else (db, udb)
+
+
+def add_notification(db, notification_id, message, task_id=None):
+    """tau3 mock's user-side set-up function (initialization_actions only; not a tool)."""
+    db.setdefault("notifications", {})[notification_id] = {"notification_id": notification_id, "message": message,
+                                                           "status": "unread", "task_id": task_id}
+
+
+INIT_ONLY = {"add_notification": add_notification}
+
+
+def _deep_update(dst, src):
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_update(dst[k], v)
+        else:
+            dst[k] = _copy(v)
+
+
+def initial_dbs(world, db, user_db, gold):
+    """(agent db, user db) of a task before its episode, as tau2's set_state makes them: copies of the store with the
+    task's initialization data merged in, its initialization actions run, and the tool calls of its message history
+    replayed. A set-up that fails is a data error (UsageError), never the policy's."""
+    db, user_db = _copy(db), _copy(user_db)
+    _deep_update(db, gold.get("init_data", {}).get("agent_data") or {})
+    _deep_update(user_db, gold.get("init_data", {}).get("user_data") or {})
+    calls = [(c["env"], c["name"], c["arguments"]) for c in gold.get("init_calls", [])]
+    calls += [("assistant" if m.get("role") == "assistant" else "user", c.get("name"), c.get("arguments") or {})
+              for m in gold.get("history", []) for c in m.get("tool_calls") or []]
+    for env, name, args in calls:
+        side, target = (world, db) if env == "assistant" else (world + "_user", user_db)
+        if name in INIT_ONLY:
+            INIT_ONLY[name](target, **args)
+            continue
+        text, ok = run_tool(side, target, name, args) if side in TOOLS else (f"no {side} tools", False)
+        if not ok:
+            raise UsageError(f"the initial state of {gold.get('id', 'a task')} fails at {name}: {text}")
+    return db, user_db
+
+
+def action_done(action, calls) -> bool:
+    """tau2's ACTION check: some call [(name, arguments)] has the gold action's name and its arguments (those in
+    compare_args, or every argument the call passed when it has none)."""
+    for name, args in calls:
+        if name == action["name"]:
+            keys = args.keys() if action.get("compare_args") is None else action["compare_args"]
+            if {k: v for k, v in args.items() if k in keys} == \
+                    {k: v for k, v in action["arguments"].items() if k in keys}:
+                return True
+    return False
+
+
+def history_messages(history) -> list:
+    """A tau2 message_history as this project's chat messages: assistant tool calls written as the policy writes
+    them (<tool_call> blocks), tool results as tool messages; the user's own tool calls are not shown to the agent."""
+    out, names = [], {}
+    for m in history:
+        role, calls = m.get("role"), m.get("tool_calls") or []
+        if role == "assistant":
+            names.update((c.get("id"), c.get("name")) for c in calls)
+            out.append({"role": "assistant", "content": (m.get("content") or "") + "".join(
+                tool_call_text(c.get("name"), c.get("arguments") or {}) for c in calls)})
+        elif role == "tool" and names.get(m.get("id")):
+            out.append(tool_message(names[m.get("id")], m.get("content") or ""))
+        elif role == "user" and m.get("content"):
+            out.append({"role": "user", "content": m["content"]})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -698,27 +827,40 @@ def _read_json(path):
 
 
 def load_store(data_dir):
-    """(db, policy) of a tau-bench v1 (users/orders/products.json) or tau2 (db.json) retail directory."""
+    """(db, policy, world, user_db) of a tau-bench v1 retail directory (users/orders/products.json) or a tau2/tau3
+    one (db.json): retail, or tau3's mock domain (tasks and users; the user's inbox in user_db.json)."""
     if not os.path.isdir(data_dir):
         raise UsageError(f"e-commerce data directory not found: {data_dir}")
-    tables = ("users", "orders", "products")
+    tables = {"retail": ("users", "orders", "products"), "mock": ("tasks", "users")}
+    if os.path.isfile(os.path.join(data_dir, "db.toml")):
+        raise UsageError(f"{data_dir} looks like tau3's telecom domain (db.toml), which is not implemented at full scale "
+                         "(dual control: the user operates a simulated phone with tools of its own)")
     if os.path.isfile(os.path.join(data_dir, "db.json")):
         db = _read_json(os.path.join(data_dir, "db.json"))
-    elif all(os.path.isfile(os.path.join(data_dir, t + ".json")) for t in tables):
-        db = {t: _read_json(os.path.join(data_dir, t + ".json")) for t in tables}
+    elif all(os.path.isfile(os.path.join(data_dir, t + ".json")) for t in tables["retail"]):
+        db = {t: _read_json(os.path.join(data_dir, t + ".json")) for t in tables["retail"]}
     else:
         raise UsageError(f"no retail database in {data_dir}: expected db.json (tau2) or users.json, orders.json, "
                        "products.json (tau-bench v1)")
-    if not isinstance(db, dict) or not all(isinstance(db.get(t), dict) for t in tables):
-        raise UsageError(f"the retail database in {data_dir} must hold users, orders and products objects keyed by id")
-    db = {t: db[t] for t in tables}
-    policy = DEFAULT_POLICY
+    world = next((w for w, ts in tables.items() if isinstance(db, dict) and all(isinstance(db.get(t), dict)
+                                                                                 for t in ts)), None)
+    if world is None:
+        raise UsageError(f"the database in {data_dir} must hold users, orders and products (retail) or tasks and "
+                         "users (tau3 mock) objects keyed by id")
+    db = {t: db[t] for t in tables[world]}
+    user_db = _read_json(os.path.join(data_dir, "user_db.json")) if os.path.isfile(os.path.join(data_dir,
+                                                                                                 "user_db.json")) else {}
+    if not isinstance(user_db, dict):
+        raise UsageError(f"malformed {os.path.join(data_dir, 'user_db.json')}: expected an object")
+    policy = DEFAULT_POLICY if world == "retail" else None
     for name in ("policy.md", "wiki.md"):
         if os.path.isfile(os.path.join(data_dir, name)):
             with open(os.path.join(data_dir, name), encoding="utf-8") as f:
                 policy = f.read().strip()
             break
-    return db, policy
+    if policy is None:
+        raise UsageError(f"no policy.md in {data_dir}: the {world} domain's agent policy is part of its data")
+    return db, policy, world, user_db
 
 
 def _py_value(node):
@@ -765,8 +907,46 @@ def _instruction(scenario):
     return (f"Persona: {persona}\n" if persona else "") + str(instr or "")
 
 
-def load_tasks(data_dir, split):
-    """[{id, instruction, actions: [{name, arguments}], outputs}] of one split of a data directory."""
+REWARD_BASIS = ("DB", "COMMUNICATE")   # tau2's default: the final databases, and every required output said
+BASES = {"DB", "COMMUNICATE", "ACTION", "ENV_ASSERTION", "NL_ASSERTION"}
+
+
+def _tau2_task(r, i, world, where):
+    """One tau2/tau3 task row -> this module's task dict; every name it uses is checked against the world's tools."""
+    if not isinstance(r, dict):
+        raise UsageError(f"malformed task {i} in {where}: expected an object")
+    tid, crit, init = str(r.get("id", i)), r.get("evaluation_criteria") or {}, r.get("initial_state") or {}
+    actions = [{"name": a.get("name"), "arguments": a.get("arguments", {}), "requestor": a.get("requestor", "assistant"),
+                "compare_args": a.get("compare_args")} for a in crit.get("actions") or [] if isinstance(a, dict)]
+    calls = [{"env": c.get("env_type", "assistant"), "name": c.get("func_name"), "arguments": c.get("arguments", {})}
+             for c in init.get("initialization_actions") or [] if isinstance(c, dict)]
+    checks = [{"env": c.get("env_type", "assistant"), "name": c.get("func_name"), "arguments": c.get("arguments", {}),
+               "expect": c.get("assert_value", True)} for c in crit.get("env_assertions") or [] if isinstance(c, dict)]
+    basis = crit.get("reward_basis") or list(REWARD_BASIS)
+    if not isinstance(basis, list) or not set(basis) <= BASES:
+        raise UsageError(f"task {tid} of {where}: reward_basis must be a list of {', '.join(sorted(BASES))}")
+    for a in calls + [dict(a, env=a["requestor"]) for a in actions]:   # (set-up may also use INIT_ONLY functions)
+        known = set(TOOLS.get(world if a["env"] == "assistant" else world + "_user", {})) | (set(INIT_ONLY) if a in calls
+                                                                                             else set())
+        if a["name"] not in known or not isinstance(a["arguments"], dict):
+            what = "initialization call" if a in calls else "gold action" + " (user)" * (a["env"] == "user")
+            raise UsageError(f"task {tid} of {where}: unknown {what} {a['name']!r}")
+    for c in checks:
+        if c["name"] not in ASSERTIONS or not isinstance(c["arguments"], dict):
+            raise UsageError(f"task {tid} of {where}: unknown environment assertion {c['name']!r}")
+    history = init.get("message_history") or []
+    data = init.get("initialization_data") or {}
+    if not isinstance(history, list) or not isinstance(data, dict):
+        raise UsageError(f"task {tid} of {where}: malformed initial_state")
+    return {"id": tid, "instruction": _instruction(r.get("user_scenario")), "actions": actions,
+            "outputs": crit.get("communicate_info") or [], "nl_assertions": crit.get("nl_assertions") or [],
+            "env_assertions": checks, "reward_basis": basis, "history": history, "init_calls": calls,
+            "init_data": {k: data.get(k) or {} for k in ("agent_data", "user_data")}}
+
+
+def load_tasks(data_dir, split, world="retail"):
+    """[{id, instruction, actions: [{name, arguments, ...}], outputs, ...}] of one split of a data directory
+    (tau2/tau3 tasks also carry their initial state, assertions and reward basis: _tau2_task)."""
     tau2 = os.path.join(data_dir, "tasks.json")
     if os.path.isfile(tau2):
         rows = _read_json(tau2)
@@ -782,15 +962,7 @@ def load_tasks(data_dir, split):
             rows = [r for r in rows if isinstance(r, dict) and str(r.get("id")) in keep]
         elif split != "all":
             raise UsageError(f"{data_dir} has no split_tasks.json: use split 'all' or add the file")
-        out = []
-        for i, r in enumerate(rows):
-            if not isinstance(r, dict):
-                raise UsageError(f"malformed task {i} in {tau2}: expected an object")
-            crit = r.get("evaluation_criteria") or {}
-            out.append({"id": str(r.get("id", i)), "instruction": _instruction(r.get("user_scenario")),
-                        "actions": [{"name": a.get("name"), "arguments": a.get("arguments", {})}
-                                    for a in crit.get("actions") or [] if isinstance(a, dict)],
-                        "outputs": crit.get("communicate_info") or []})
+        out = [_tau2_task(r, i, world, tau2) for i, r in enumerate(rows)]
     else:
         py, js = (os.path.join(data_dir, f"tasks_{split}.{ext}") for ext in ("py", "json"))
         if os.path.isfile(py):
@@ -809,7 +981,7 @@ def load_tasks(data_dir, split):
     for t in out:  # tool names and arguments are tau-bench's own, so gold actions replay unchanged
         t["actions"] = [a for a in t["actions"] if a["name"] != "respond"]  # v1's "talk to the user" action
         for a in t["actions"]:
-            if a["name"] not in TOOLS["retail"] or not isinstance(a["arguments"], dict):
+            if a["name"] not in TOOLS[world] and a.get("requestor") != "user" or not isinstance(a["arguments"], dict):
                 raise UsageError(f"task {t['id']} of {data_dir}: unknown gold action {a['name']!r}")
         if not isinstance(t["outputs"], list) or not all(isinstance(o, str) for o in t["outputs"]):
             raise UsageError(f"task {t['id']} of {data_dir}: outputs must be a list of strings")
@@ -884,16 +1056,16 @@ class EcommerceEnv(Env):
         self.user_api_key_env, self.user_timeout = user_api_key_env, user_timeout
         self.workers = max(1, workers) if user_url else 1   # episodes' user turns at once (the rollout loop's env_calls)
         self.max_turns = max_turns or (10 if data is None else 30)
-        self.db, self.policy = load_store(data) if data is not None else (None, None)
-        self._gold_hash = {}  # task id -> hash, so the real store is replayed once per task
+        self.db, self.policy, self.world, self.user_db = load_store(data) if data is not None else (None, None,
+                                                                                                   "retail", {})
+        self._gold_hash = {}  # task id -> (initial dbs, target hashes), so the real store is set up once per task
 
     def tasks(self, split, n=None, seed=0):
         if self.data is not None:
-            rows = load_tasks(self.data, split)[:n]
-            return [Task(id=f"ecommerce-{split}-{r['id']}", env="ecommerce", split=split, tools=SCHEMAS["retail"],
-                         messages=[{"role": "system", "content": self.policy}],
-                         gold={"world": "retail", "kind": "real", "actions": r["actions"], "outputs": r["outputs"],
-                               "instruction": r["instruction"]}) for r in rows]
+            rows = load_tasks(self.data, split, self.world)[:n]
+            return [Task(id=f"ecommerce-{split}-{r['id']}", env="ecommerce", split=split, tools=SCHEMAS[self.world],
+                         messages=[{"role": "system", "content": self.policy}] + history_messages(r.get("history", [])),
+                         gold={"world": self.world, "kind": "real", **r}) for r in rows]
         if split not in SPLITS:
             raise UsageError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
         n = (5000 if split == "train" else 300) if n is None else n
@@ -904,24 +1076,31 @@ class EcommerceEnv(Env):
     def reset(self, task):
         state = super().reset(task)
         g = task.gold
-        db = g.get("db") if g.get("db") is not None else self.db
-        if db is None:
+        if g.get("db") is None and self.db is None:
             raise UsageError(f"task {task.id} has no database: real-data tasks need EcommerceEnv(data=...)")
+        db, user_db = (g["db"], {}) if g.get("db") is not None else (self.db, self.user_db)
         if g.get("db") is None and task.id in self._gold_hash:
-            target = self._gold_hash[task.id]
-        else:
-            target = db_hash(replay(g["world"], db, g["actions"]))
-            if g.get("db") is None:
-                self._gold_hash[task.id] = target
-        state.info.update(world=g["world"], db=_copy(db), target=target, ended="", revealed=False, confirmed=False,
-                          restated=0, writes=0, tool_calls=0, tool_errors=0, user_error=0.0)
+            target, own = self._gold_hash[task.id]
+        else:   # a task's own initial state (tau2's initialization data and actions, its history's calls); gold replayed
+            own = initial_dbs(g["world"], db, user_db, g) if g.get("init_calls") or any(
+                g.get("init_data", {}).values()) or any(m.get("tool_calls") for m in g.get("history", [])) else None
+            start = own or (db, user_db)
+            target = tuple(db_hash(x) for x in replay(g["world"], start[0], g["actions"], start[1]))
+            if g.get("db") is None:   # (the store itself is kept once, not per task)
+                self._gold_hash[task.id] = target, own
+        db, user_db = own or (db, user_db)
+        state.info.update(world=g["world"], db=_copy(db), user_db=_copy(user_db), target=target, ended="",
+                          revealed=False, confirmed=False, restated=0, writes=0, tool_calls=0, tool_errors=0,
+                          user_error=0.0, calls=[])
         if self.user_url:  # the LLM user plays the customer; roles are swapped in its own transcript
             chat = [{"role": "system", "content": USER_SYSTEM.format(instruction=g.get("instruction", ""))},
                     {"role": "user", "content": "Hi! How can I help you today?"}]
             state.info["user_chat"] = chat
-            if state.messages and state.messages[-1]["role"] == "user":
-                chat.append({"role": "assistant", "content": state.messages[-1]["content"]})
-            else:
+            for m in state.messages:   # a task's message history: the user said what the agent was told, and v.v.
+                text = re.sub(r"<tool_call>.*?(</tool_call>|$)", "", str(m.get("content") or ""), flags=re.DOTALL)
+                if m["role"] in ("user", "assistant") and text.strip():
+                    chat.append({"role": "assistant" if m["role"] == "user" else "user", "content": text.strip()})
+            if not state.messages or state.messages[-1]["role"] != "user":   # else the agent speaks next
                 opening = self._llm_turn(state)
                 state.messages.append({"role": "user", "content": opening})
                 if STOP in opening:
@@ -959,6 +1138,7 @@ class EcommerceEnv(Env):
     def _call(self, state, name, args):
         info = state.info
         info["tool_calls"] += 1
+        info["calls"].append((name, args))   # every call the agent made, for tau2's ACTION check
         if name in WRITES and not self.user_url and not info["confirmed"] and name in TOOLS[info["world"]]:
             text, ok = "Error: ask the user to confirm (yes/no) before this change", False
         else:
@@ -973,10 +1153,10 @@ class EcommerceEnv(Env):
         text = text.encode("utf-8", "backslashreplace").decode("utf-8")
         return tool_message(re.sub(r"[^A-Za-z0-9_]", "", name)[:64] or "error", text)
 
-    def _chat(self, chat: list, max_tokens: int | None = None) -> str:
-        """One request to the LLM user's endpoint -> its reply, reasoning removed. Qwen3 user models are asked not to
-        think (chat_template_kwargs, as the released code does; other servers are not sent the field). Raises what
-        the HTTP call or a malformed answer raises."""
+    def _chat(self, chat: list, max_tokens: int | None = None, tools: list | None = None) -> tuple:
+        """One request to the LLM user's endpoint -> (its reply, reasoning removed; its tool calls, OpenAI format, when
+        `tools` were offered). Qwen3 user models are asked not to think (chat_template_kwargs, as the released code
+        does; other servers are not sent the field). Raises what the HTTP call or a malformed answer raises."""
         url = self.user_url.rstrip("/")
         url = url if url.endswith("/chat/completions") else url + "/chat/completions"
         headers = {"Content-Type": "application/json"}
@@ -988,15 +1168,21 @@ class EcommerceEnv(Env):
             request["chat_template_kwargs"] = {"enable_thinking": False}
         if max_tokens:
             request["max_tokens"] = max_tokens
+        if tools:
+            request["tools"] = tools
         with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(request).encode(), headers=headers),
                                     timeout=self.user_timeout) as r:
-            reply = json.loads(r.read())["choices"][0]["message"]["content"]
-        if not isinstance(reply, str):
+            message = json.loads(r.read())["choices"][0]["message"]
+        reply, calls = message.get("content"), (message.get("tool_calls") or []) if tools else []
+        if not isinstance(reply, str) and not (calls and reply is None):
             raise TypeError("no text in the user model's reply")
+        if not isinstance(calls, list):
+            raise TypeError("malformed tool calls in the user model's reply")
+        reply = reply or ""
         # a reasoning model's thoughts are not what the user says: drop <think>...</think> (and a reply whose
         # opening tag the template already wrote, so that only the closing one is left)
         reply = re.sub(r"<think>.*?</think>", "", reply, flags=re.DOTALL)
-        return reply.split("</think>")[-1].strip()
+        return reply.split("</think>")[-1].strip(), calls
 
     def check_services(self):
         """One probe request to the LLM user (a user model that cannot answer would end every episode in a user
@@ -1004,19 +1190,42 @@ class EcommerceEnv(Env):
         if not self.user_url:
             return
         try:
-            self._chat([{"role": "user", "content": "Reply with the word ok."}], max_tokens=16)
+            self._chat([{"role": "user", "content": "Reply with the word ok."}], max_tokens=16)   # (text, no tools)
         except SERVICE_ERRORS as e:
             raise UsageError(f"the user model {self.user_model!r} at {self.user_url} does not answer a probe "
                              f"({type(e).__name__}: {str(e)[:200]}): start it, or fix --user-url/--user-model") from None
 
     def _llm_turn(self, state):
-        """The LLM user's next message; a failed call ends the episode (user_error=1) instead of raising."""
-        chat = state.info["user_chat"]
+        """The LLM user's next message; a failed call ends the episode (user_error=1) instead of raising. Where the
+        user has tools of its own (tau3's dual control: mock's inbox), they are offered to the user model, and its
+        calls run on the user's database (a malformed one gets an error result) until it writes a message, at most
+        MAX_CALLS_PER_TURN rounds."""
+        info, chat = state.info, state.info["user_chat"]
+        tools = SCHEMAS.get(info["world"] + "_user")
         try:
-            reply = self._chat(chat)
+            for _ in range(MAX_CALLS_PER_TURN):
+                reply, calls = self._chat(chat, tools=tools)
+                if not calls:
+                    break
+                chat.append({"role": "assistant", "content": reply or None, "tool_calls": calls})
+                for c in calls:
+                    fn = c.get("function") if isinstance(c, dict) else None
+                    fn = fn if isinstance(fn, dict) else {}
+                    try:
+                        args = json.loads(fn.get("arguments") or "{}")
+                    except ValueError:
+                        args = None
+                    name = str(fn.get("name"))
+                    text = run_tool(info["world"] + "_user", info["user_db"], name, args)[0] if isinstance(args, dict) \
+                        else "Error: the arguments are not a JSON object"
+                    info["calls"].append((name, args if isinstance(args, dict) else {}))
+                    chat.append({"role": "tool", "tool_call_id": c.get("id") if isinstance(c, dict) else None,
+                                 "content": text})
         except SERVICE_ERRORS:
-            state.info["user_error"] = 1.0
-            state.info["ended"] = "user_error"
+            reply = ""
+        if not reply:
+            info["user_error"] = 1.0
+            info["ended"] = "user_error"
             return STOP
         chat.append({"role": "assistant", "content": reply})
         return reply
@@ -1030,16 +1239,49 @@ class EcommerceEnv(Env):
         if "db" not in info:  # never reset: nothing happened
             return 0.0, {k: 0.0 for k in ("success", "db_match", "outputs_ok", "tool_calls", "tool_errors",
                                           "turns", "user_error")}
-        db_match = db_hash(info["db"]) == info["target"]
+        g = state.task.gold
+        db_match = (db_hash(info["db"]), db_hash(info.get("user_db", {}))) == info["target"]
         said = " ".join(re.sub(r"<tool_call>.*?(</tool_call>|$)", " ", str(m.get("content", "")), flags=re.DOTALL)
                         for m in state.messages if m.get("role") == "assistant")
         said = said.lower().replace(",", "")  # tau-bench ignores thousands separators
-        outputs_ok = all(said_output(o, said, tiny=state.task.gold["kind"] != "real") for o in state.task.gold["outputs"])
+        outputs_ok = all(said_output(o, said, tiny=g["kind"] != "real") for o in g["outputs"])
         finished = info["ended"] in ("user_stop", "transfer") and not state.truncated
-        success = float(db_match and outputs_ok and finished)
+        # tau2's reward: the product of the checks its reward_basis names (default: the databases, the outputs)
+        checks = {"DB": lambda: db_match, "COMMUNICATE": lambda: outputs_ok,
+                  "ACTION": lambda: all(action_done(a, info["calls"]) for a in g["actions"]),
+                  "ENV_ASSERTION": lambda: all(self._asserts(info, c) for c in g.get("env_assertions", [])),
+                  "NL_ASSERTION": lambda: self._judge(state, g.get("nl_assertions", []))}
+        success = float(finished and all(checks[b]() for b in g.get("reward_basis", REWARD_BASIS)))
         return success, {"success": success, "db_match": float(db_match), "outputs_ok": float(outputs_ok),
                          "tool_calls": float(info["tool_calls"]), "tool_errors": float(info["tool_errors"]),
                          "turns": float(state.turns), "user_error": float(info["user_error"])}
+
+    @staticmethod
+    def _asserts(info, check) -> bool:
+        """One tau2 environment assertion on the final agent (or user) database holds its expected value."""
+        db = info["db"] if check["env"] == "assistant" else info["user_db"]
+        try:
+            return ASSERTIONS[check["name"]](db, **check["arguments"]) == check["expect"]
+        except (ToolError, TypeError, KeyError):
+            return False
+
+    def _judge(self, state, assertions) -> bool:
+        """tau2's NL_ASSERTION check, by the LLM at user_url as the judge: does the conversation satisfy every
+        assertion? A judge that fails or answers out of format counts as no."""
+        if not assertions:
+            return True
+        talk = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in state.messages[len(state.task.messages):]
+                         if m.get("role") in ("user", "assistant"))
+        ask = ("Here is a conversation between a customer (user) and a support agent (assistant):\n" + talk +
+               "\n\nFor each numbered assertion, decide whether the conversation satisfies it:\n" +
+               "\n".join(f"{i + 1}. {a}" for i, a in enumerate(assertions)) +
+               "\n\nReply with only a JSON list of true/false values, one per assertion, in order.")
+        try:
+            reply, _ = self._chat([{"role": "user", "content": ask}])
+            verdict = json.loads(reply[reply.index("["): reply.rindex("]") + 1])
+        except SERVICE_ERRORS:
+            return False
+        return isinstance(verdict, list) and len(verdict) == len(assertions) and all(v is True for v in verdict)
 
     def compliant(self, state):
         """By the book: every write comes after the user said yes to a confirmation the agent asked for since the

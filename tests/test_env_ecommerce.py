@@ -546,8 +546,9 @@ class FakeUser(JSONServer):
 
         def respond(path, headers, body):
             self.requests.append({"path": path, "auth": headers.get("Authorization"), "body": body})
-            reply = self.replies.pop(0) if self.replies else "###STOP###"
-            return status, {"choices": [{"message": {"role": "assistant", "content": reply}}]}
+            reply = self.replies.pop(0) if self.replies else "###STOP###"   # a dict: the whole message (tool calls)
+            message = dict(role="assistant", **reply) if isinstance(reply, dict) else {"role": "assistant", "content": reply}
+            return status, {"choices": [{"message": message}]}
         super().__init__(respond)
         self.url += "/v1"
 
@@ -770,3 +771,149 @@ def test_the_user_model_is_probed_before_work_thinks_not_and_its_reasoning_is_dr
     with pytest.raises(UsageError, match=r"^ecommerce: the user model 'm' .* does not answer a probe"):
         load_envs(["ecommerce"], opts)
     EcommerceEnv().check_services()   # the tiny world's scripted user: nothing to probe
+
+
+# tau3's mock domain at full scale: users and their to-do tasks, the user's own inbox tools, tau2's initial states
+# and reward bases. The fixture is written here (not tau3's files): a store of one user and task, six tasks.
+MOCK_DB = {"tasks": {"task_1": {"task_id": "task_1", "title": "Test task", "description": "A test task",
+                                "status": "pending"}},
+           "users": {"user_1": {"user_id": "user_1", "name": "Test User", "tasks": ["task_1"]}}}
+MOCK_USER_DB = {"notifications": {}}
+CREATE = {"name": "create_task", "arguments": {"user_id": "user_1", "title": "Team Sync"}}
+HISTORY = [{"role": "user", "content": "Please add a task 'Budget' for user_1."},
+           {"role": "assistant", "tool_calls": [{"id": "c1", "name": "create_task",
+                                                 "arguments": {"user_id": "user_1", "title": "Budget"}}]},
+           {"role": "tool", "id": "c1", "content": "{\"task_id\": \"task_2\"}"},
+           {"role": "assistant", "content": "Created task_2 for you."}]
+MOCK_TASKS = [
+    {"id": "create", "user_scenario": {"instructions": "Create a task 'Team Sync' for user_1."},
+     "evaluation_criteria": {"actions": [CREATE], "communicate_info": ["task_2"]}},
+    {"id": "history", "user_scenario": {"instructions": "Now mark task_2 completed."},
+     "initial_state": {"message_history": HISTORY},
+     "evaluation_criteria": {"env_assertions": [{"env_type": "assistant", "func_name": "assert_task_status",
+                                                 "arguments": {"task_id": "task_2", "expected_status": "completed"}}],
+                             "reward_basis": ["ENV_ASSERTION"]}},
+    {"id": "inbox", "user_scenario": {"instructions": "Check your inbox, have task_1 completed, dismiss n1."},
+     "initial_state": {"initialization_actions": [{"env_type": "user", "func_name": "add_notification",
+                                                   "arguments": {"notification_id": "n1", "message": "task_1 is yours",
+                                                                 "task_id": "task_1"}}]},
+     "evaluation_criteria": {"actions": [{"name": "update_task_status",
+                                          "arguments": {"task_id": "task_1", "status": "completed"}}],
+                             "env_assertions": [{"env_type": "user", "func_name": "assert_notification_status",
+                                                 "arguments": {"notification_id": "n1", "expected_status": "read"}}],
+                             "reward_basis": ["ACTION", "ENV_ASSERTION"]}},
+    {"id": "seeded", "user_scenario": {"instructions": "Complete task_2."},
+     "initial_state": {"initialization_data": {"agent_data": {
+         "tasks": {"task_2": {"task_id": "task_2", "title": "Review", "description": None, "status": "pending"}},
+         "users": {"user_1": {"tasks": ["task_1", "task_2"]}}}}},
+     "evaluation_criteria": {"actions": [{"name": "update_task_status",
+                                          "arguments": {"task_id": "task_2", "status": "completed"}}]}},
+    {"id": "impossible", "user_scenario": {"instructions": "Delete all your tasks."},
+     "evaluation_criteria": {"actions": [{"name": "transfer_to_human_agents", "arguments": {"summary": "delete"},
+                                          "compare_args": []}], "reward_basis": ["DB", "ACTION"]}},
+    {"id": "judged", "user_scenario": {"instructions": "Ask for a compliment."},
+     "evaluation_criteria": {"nl_assertions": ["The agent complimented the user", "The agent was polite"],
+                             "reward_basis": ["NL_ASSERTION"]}},
+]
+
+
+def write_mock(root, tasks=MOCK_TASKS):
+    root.mkdir(exist_ok=True)
+    (root / "db.json").write_text(json.dumps(MOCK_DB))
+    (root / "user_db.json").write_text(json.dumps(MOCK_USER_DB))
+    (root / "tasks.json").write_text(json.dumps(tasks))
+    (root / "split_tasks.json").write_text(json.dumps({"base": [t["id"] for t in tasks]}))
+    (root / "policy.md").write_text("# Mock policy: tasks have titles; never delete a task, transfer instead.")
+    return str(root)
+
+
+def _play(env, task, turns, replies, user):
+    user.replies[:], user.requests[:] = list(replies), []
+    state = env.reset(task)
+    for text in turns:
+        if state.done:
+            break
+        env.step(state, text)
+    return state, env.score(state)[0]
+
+
+def test_tau3_mock_domain_tools_initial_states_and_reward_bases(tmp_path, fake_user):
+    """tau3's mock domain: its own tools and policy, the user's inbox tools called by the LLM user, a message
+    history whose tool calls are replayed into the initial database, initialization data and actions, and the
+    reward as the product of the checks in each task's reward_basis (DB, COMMUNICATE, ACTION, ENV_ASSERTION,
+    NL_ASSERTION by the LLM judge), each one able to fail."""
+    user = fake_user([])
+    env = EcommerceEnv(data=write_mock(tmp_path / "mock"), user_url=user.url)
+    tasks = {t.gold["id"]: t for t in env.tasks("base")}
+    assert env.world == "mock" and env.policy.startswith("# Mock policy") and len(tasks) == 6
+    assert {s["function"]["name"] for s in tasks["create"].tools} == {"create_task", "get_users", "update_task_status",
+                                                                      "transfer_to_human_agents"}
+    done = "###STOP###"
+    create = tool_call_text("create_task", CREATE["arguments"])
+    # DB and COMMUNICATE (the default basis): the gold creation, and task_2 said
+    assert _play(env, tasks["create"], [create, "Created task_2."], ["Add 'Team Sync' for user_1.", done], user)[1] == 1
+    assert _play(env, tasks["create"], [create, "Created it."], ["Add it.", done], user)[1] == 0          # not said
+    wrong = tool_call_text("create_task", {"user_id": "user_1", "title": "Team sync"})
+    assert _play(env, tasks["create"], [wrong, "Created task_2."], ["Add it.", done], user)[1] == 0       # DB differs
+    # a message history: shown to the agent, its create_task replayed (task_2 exists), told to the user model
+    h = tasks["history"]
+    assert h.messages[1:] == [{"role": "user", "content": HISTORY[0]["content"]},
+                              {"role": "assistant", "content": tool_call_text("create_task", HISTORY[1]["tool_calls"][0]
+                                                                              ["arguments"])},
+                              {"role": "tool", "name": "create_task", "content": '{"task_id": "task_2"}'},
+                              {"role": "assistant", "content": "Created task_2 for you."}]
+    state, r = _play(env, h, [tool_call_text("update_task_status", {"task_id": "task_2", "status": "completed"}),
+                              "Done."], ["Now complete task_2.", done], user)
+    assert r == 1 and state.info["db"]["tasks"]["task_2"]["title"] == "Budget"
+    told = user.requests[0]["body"]["messages"]   # the user model's opening request
+    assert [m["content"] for m in told[2:4]] == [HISTORY[0]["content"], "Created task_2 for you."]
+    assert _play(env, h, ["Done."], ["Now complete task_2.", done], user)[1] == 0                       # assertion fails
+    # the user's own tools: offered to the user model, run on its inbox (seeded by initialization_actions)
+    check = {"content": None, "tool_calls": [{"id": "u1", "type": "function", "function": {
+        "name": "check_notifications", "arguments": "{}"}}]}
+    dismiss = {"content": None, "tool_calls": [{"id": "u2", "type": "function", "function": {
+        "name": "dismiss_notification", "arguments": '{"notification_id": "n1"}'}}]}
+    update = tool_call_text("update_task_status", {"task_id": "task_1", "status": "completed"})
+    state, r = _play(env, tasks["inbox"], [update, "Task_1 is completed."],
+                     [check, "Please complete task_1.", dismiss, done], user)
+    assert r == 1 and state.info["user_db"]["notifications"]["n1"]["status"] == "read"
+    assert [t["function"]["name"] for t in user.requests[0]["body"]["tools"]] == ["check_notifications",
+                                                                                 "dismiss_notification"]
+    assert "task_1 is yours" in user.requests[1]["body"]["messages"][-1]["content"]   # the tool result it saw
+    assert _play(env, tasks["inbox"], [update, "Done."], ["Please complete task_1.", done], user)[1] == 0  # not read
+    # initialization data merged into the store; ACTION with every argument compared
+    assert _play(env, tasks["seeded"], [tool_call_text("update_task_status", {"task_id": "task_2", "status":
+                                                                              "completed"}), "Done."],
+                 ["Complete task_2.", done], user)[1] == 1
+    # ACTION with compare_args []: any transfer; DB: nothing changed
+    transfer = tool_call_text("transfer_to_human_agents", {"summary": "wants deletion"})
+    assert _play(env, tasks["impossible"], [transfer], ["Delete my tasks."], user)[1] == 1
+    assert _play(env, tasks["impossible"], [create, transfer], ["Delete my tasks."], user)[1] == 0      # DB changed
+    # NL_ASSERTION: the LLM at user_url judges; out of format is a no
+    for verdict, want in (("[true, true]", 1), ("[true, false]", 0), ("I think so", 0)):
+        assert _play(env, tasks["judged"], ["You are great, thank you!"], ["Compliment me.", done, verdict],
+                     user)[1] == want, verdict
+
+
+def test_tau3_mock_bad_data_is_a_clear_error(tmp_path, fake_user):
+    user = fake_user([])
+    bad = [dict(MOCK_TASKS[0], evaluation_criteria={"actions": [{"name": "delete_task", "arguments": {}}]})]
+    with pytest.raises(UsageError, match="unknown gold action 'delete_task'"):
+        EcommerceEnv(data=write_mock(tmp_path / "a", bad), user_url=user.url).tasks("base")
+    bad = [dict(MOCK_TASKS[0], evaluation_criteria={"reward_basis": ["VIBES"]})]
+    with pytest.raises(UsageError, match="reward_basis"):
+        EcommerceEnv(data=write_mock(tmp_path / "b", bad), user_url=user.url).tasks("base")
+    bad = [dict(MOCK_TASKS[0], initial_state={"initialization_actions": [
+        {"env_type": "assistant", "func_name": "update_task_status", "arguments": {"task_id": "task_9",
+                                                                                   "status": "completed"}}]})]
+    env = EcommerceEnv(data=write_mock(tmp_path / "c", bad), user_url=user.url)
+    with pytest.raises(UsageError, match="initial state .* fails at update_task_status"):
+        env.reset(env.tasks("base")[0])
+    (tmp_path / "telecom").mkdir()
+    (tmp_path / "telecom" / "db.toml").write_text("[[plans]]\n")
+    with pytest.raises(UsageError, match="telecom domain .* not implemented"):
+        EcommerceEnv(data=str(tmp_path / "telecom"), user_url=user.url)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "db.json").write_text(json.dumps(MOCK_DB))
+    with pytest.raises(UsageError, match="no policy.md"):
+        EcommerceEnv(data=str(tmp_path / "d"), user_url=user.url)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from fake_http import JSONServer
-from test_env_ecommerce import write_tau2
+from test_env_ecommerce import MOCK_TASKS, write_mock, write_tau2
 
 import evaluate
 from common import save_checkpoint
@@ -285,7 +285,8 @@ def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
     (["--splits", "test,tset"], "unknown split"),
     (["--source", "aime26=x.jsonl"], "--source is for the full suite"),
     (["--suite", "full", "--benchmarks", "aime25"], "unknown full-suite benchmark"),
-    (["--suite", "full", "--benchmarks", "tau_ood"], "tau_ood needs"),
+    (["--suite", "full", "--benchmarks", "tau_mock"], "tau_mock needs"),
+    (["--suite", "full", "--source", "tau_telecom=x"], "telecom domain is not implemented"),
     (["--suite", "full", "--source", "aime26"], "NAME=PATH_OR_ID"),
     (["--matrix"], "--matrix needs sequential stages"),
     (["--temperature", "math=hot"], "--temperature takes X or domain=X"),
@@ -353,12 +354,17 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
          "evaluation_criteria": {"actions": [{"name": "cancel_pending_order",
                                               "arguments": {"order_id": "#W4776164", "reason": "no longer needed"}}]}}]))
     (tau / "split_tasks.json").write_text(json.dumps({"test": ["a", "b"]}))
+    # tau3's mock domain (its `base` split): a task with nothing to change, and one that needs a create_task call
+    sources["tau_mock"] = write_mock(tmp_path / "mock", [
+        {"id": "hi", "user_scenario": {"instructions": "Say hello."}, "evaluation_criteria": {"reward_basis": ["DB"]}},
+        MOCK_TASKS[0]])
     with JSONServer(fake_user) as user:
         env_opts = {"search": {"data": str(tmp_path / "qa"), "corpus": corpus},
                     "ecommerce": {"data": str(tau), "user_url": user.url + "/v1"}}
-        names = ["aime26", "bamboogle", "tau_retail", "ifeval"]
+        names = ["aime26", "bamboogle", "tau_retail", "tau_mock", "ifeval"]
         tasks = evaluate.load_benchmarks("full", n=None, env_opts=env_opts, sources=sources, benchmarks=names)
-        assert list(tasks) == names and [len(t) for _, t in tasks.values()] == [2, 2, 2, 2]
+        assert list(tasks) == names and [len(t) for _, t in tasks.values()] == [2, 2, 2, 2, 2]
+        assert tasks["tau_mock"][0].world == "mock" and tasks["tau_mock"][1][0].id == "ecommerce-base-hi"
         # One fixed reply is right on exactly one task of each benchmark: AIME's 24 (math-verify), Bamboogle's
         # "24" (EM), the tau task that needs no database change (the user stops), IFEval's no-comma rule.
         backend = TokBackend(tok, lambda text: "So \\boxed{24} <answer>24</answer>")
@@ -367,13 +373,13 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
     for name in names:
         assert res[name]["mean"] == pytest.approx(0.5) and res[name]["std"] == 0.0 and res[name]["n"] == 2, name
     # each benchmark sampled at its domain's temperature: the released evaluation's math 0.6 and tau 0.7
-    assert [res[b]["temperature"] for b in names] == [0.6, 1.0, 0.7, 1.0] and backend.temperatures == {0.6, 1.0, 0.7}
+    assert [res[b]["temperature"] for b in names] == [0.6, 1.0, 0.7, 0.7, 1.0] and backend.temperatures == {0.6, 1.0, 0.7}
     assert res["aime26"]["k"] == 16 and res["ifeval"]["k"] == 1  # AIME is avg@16
     assert res["bamboogle"]["metrics"]["answered"] == 1.0 and "f1" in res["bamboogle"]["metrics"]
     assert res["tau_retail"]["metrics"]["user_error"] == 0.0 and res["tau_retail"]["metrics"]["db_match"] == 0.5
     assert evaluate.domain_score(res, "math") == 0.5 and evaluate.domain_score(res, "search") is None  # nq: absent
-    with pytest.raises(UsageError, match="tau_ood needs"):
-        evaluate.load_benchmarks("full", benchmarks=["tau_ood"], env_opts=env_opts)
+    with pytest.raises(UsageError, match="tau_mock needs"):
+        evaluate.load_benchmarks("full", benchmarks=["tau_mock"], env_opts=env_opts)
     with pytest.raises(UsageError, match="unknown full-suite benchmark 'aime25'"):
         evaluate.load_benchmarks("full", sources={"aime25": "x"})
 
