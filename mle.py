@@ -384,14 +384,31 @@ def router(path: str, kind: str, tok, mix: bool = False):
     return route
 
 
-def export_merged(a):
+def newest(path) -> float:
+    """The time the newest file under `path` was written (0 when there is none)."""
+    return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs), default=0.0)
+
+
+def update_meta(path, extra: dict):
+    """<path>/acl_meta.json with `extra` merged in, written only when that changes it."""
+    meta = read_meta(path)
+    if meta | extra != meta:
+        save_json(os.path.join(path, "acl_meta.json"), meta | extra)
+
+
+def export_merged(a, keep=False):
     """--export merged: backbone + each expert merged into one full checkpoint (peft's merge_and_unload), for
-    stacks without LoRA -> <export-out>/<domain>/."""
+    stacks without LoRA -> <export-out>/<domain>/. keep: an export of the same expert on the same backbone, written
+    after both, is kept as it is."""
     from peft import PeftModel
     for d, e in experts_of(a.out).items():
+        dest, meta = os.path.join(a.export_out, d), read_meta(os.path.join(a.export_out, d))
+        if keep and meta.get("stage") == d and meta.get("parent") == os.path.abspath(a.backbone) \
+                and meta.get("recipe") == read_meta(e).get("recipe") and newest(dest) > max(newest(e), newest(a.backbone)):
+            print0(f"[mle] {dest} kept (made from {e} after it was written)")
+            continue
         model, tok = load_policy(a.backbone, torch.device("cpu"), a.attn)
         merged = PeftModel.from_pretrained(model, e).merge_and_unload()
-        dest = os.path.join(a.export_out, d)
         save_checkpoint(dest, merged, tok, dict(method="mle-merged", stage=d, parent=os.path.abspath(a.backbone),
                                                 expert=os.path.abspath(e), recipe=read_meta(e).get("recipe")),
                         dtype=SAVE_DTYPES[a.save_dtype])
@@ -489,10 +506,10 @@ def main(argv=None):
         top = dict(method="mle", format=FORMAT, backbone=os.path.abspath(a.backbone), domains=a.domains, router="tag",
                    experts={d: os.path.join("experts", d) for d in a.domains})
         os.makedirs(a.out, exist_ok=True)
-        save_json(os.path.join(a.out, "acl_meta.json"), read_meta(a.out) | top)
+        update_meta(a.out, top)
     if sharded():
         dist.barrier()
-    done = {}
+    done, trained = {}, False
     for i, d in enumerate(a.domains, 1):
         out = os.path.join(a.out, "experts", d)
         if read_meta(out).get("recipe") == recipe(stage_args(a, d), d):
@@ -500,7 +517,7 @@ def main(argv=None):
             done[d] = read_meta(out)
             continue
         try:
-            done[d] = train_expert(a, i, d, envs[d], device)
+            done[d], trained = train_expert(a, i, d, envs[d], device), True
         except FloatingPointError as e:
             if rank() == 0:
                 mark_diverged(out, str(e))
@@ -510,14 +527,20 @@ def main(argv=None):
     if rank() == 0:
         summary = {d: dict(trainable_params=m.get("trainable_params"), adapter_bytes=m.get("adapter_bytes"),
                            seconds=m.get("seconds")) for d, m in done.items()}
-        save_json(os.path.join(a.out, "acl_meta.json"), read_meta(a.out) | dict(expert_summary=summary, finished=True))
+        update_meta(a.out, dict(expert_summary=summary, finished=True))
         for d, s in summary.items():
             print0(f"[mle] {d}: {s['trainable_params']:,} trainable parameters, {s['adapter_bytes'] or 0:,} bytes")
-        if a.router == "learned":
-            save_json(os.path.join(a.out, "acl_meta.json"), read_meta(a.out) | dict(router_accuracy=train_router(a, envs,
-                                                                                                             device)))
+        # a restart that trained nothing keeps the router and the merged exports it made before (same settings),
+        # so that the evaluations made after them stay valid (evaluate.py --resume compares file times)
+        saved = os.path.join(a.out, "router.pt")
+        old = torch.load(saved, weights_only=False) if not trained and os.path.isfile(saved) else {}
+        if a.router == "learned" and [old.get(k) for k in ("domains", "prompts", "steps")] == \
+                [a.domains, a.router_prompts, a.router_steps]:
+            print0(f"[mle] learned router: {saved} kept (nothing retrained)")
+        elif a.router == "learned":
+            update_meta(a.out, dict(router_accuracy=train_router(a, envs, device)))
         if a.export:
-            export_merged(a)
+            export_merged(a, keep=not trained)
     print0(f"done in {time.time() - t0:.0f}s")
     teardown()
 

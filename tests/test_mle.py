@@ -205,6 +205,24 @@ def test_training_another_expert_leaves_the_backbone_and_a_finished_expert_bit_i
         sha(os.path.join(out, "experts", "search", "adapter_model.safetensors"))
 
 
+def test_a_rerun_that_trains_nothing_rewrites_nothing(done, tmp_path):
+    """The same command again (arena.sh restarted): every expert is finished, so the router and the merged exports
+    are kept and no file is written, and the evaluations made after them (evaluate.py --resume) stay valid."""
+    out, _ = done
+    copy_ = str(tmp_path / "runs" / "mle")
+    shutil.copytree(out, copy_)
+    shutil.copytree(out + "-merged", copy_ + "-merged")
+    stamp = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for top in (copy_, copy_ + "-merged")
+             for d, _, fs in os.walk(top) for f in fs}
+    r = run([*FAST, "--out", copy_, "--router", "learned", "--router-prompts", "8", "--router-steps", "50",
+             "--export", "merged"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "router.pt kept" in r.stdout and r.stdout.count("kept (made from") == 2, r.stdout[-2000:]
+    assert {p: os.path.getmtime(p) for p in stamp} == stamp
+    r = run([*FAST, "--out", copy_, "--router", "learned", "--router-prompts", "9", "--router-steps", "50"])
+    assert r.returncode == 0 and "learned router: train accuracy" in r.stdout   # other router settings: fitted again
+
+
 def test_a_killed_expert_resumes_to_the_same_weights(done, tmp_path, monkeypatch):
     out, _ = done
     killed = str(tmp_path / "runs" / "mle")
