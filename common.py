@@ -568,6 +568,11 @@ def tokenizer_hash(path: str) -> str:
     return hashlib.sha256(json.dumps([sorted(tok.get_vocab().items()), tok.all_special_tokens]).encode()).hexdigest()
 
 
+def newest(path: str) -> float:
+    """When the newest file under `path` was written (0 if none): outputs made after it are up to date."""
+    return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs), default=0.0)
+
+
 def read_meta(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, "acl_meta.json")
     if not os.path.isfile(path):

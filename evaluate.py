@@ -51,6 +51,7 @@ from common import (
     code_revision,
     eta,
     is_checkpoint,
+    newest,
     print0,
     save_json,
     usage_exit,
@@ -804,8 +805,7 @@ def main():
     for i, (path, name, _, out) in enumerate(r["ckpts"], 1):
         done = load_results(out) if a.resume and not a.save_episodes and os.path.isfile(out) else None
         if done and done.get("ckpt") == path and done.get("settings") == json.loads(json.dumps(settings)) \
-                and os.path.getmtime(out) > max(os.path.getmtime(os.path.join(d, f))
-                                                for d, _, fs in os.walk(path) for f in fs):
+                and os.path.getmtime(out) > newest(path):
             print0(f"[{name}] evaluated before with these settings, after the checkpoint was written: {out} kept")
             named[name] = evaluated[path] = done
             continue

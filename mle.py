@@ -48,6 +48,7 @@ from common import (
     is_checkpoint,
     load_policy,
     mark_diverged,
+    newest,
     preset_parser,
     print0,
     rank,
@@ -382,11 +383,6 @@ def router(path: str, kind: str, tok, mix: bool = False):
         p = torch.softmax(r(prompt_features(model, tok, [(env, task)]))[0], -1)
         return blends(dict(zip(r.domains, p.tolist()))) if mix else experts[r.domains[int(p.argmax())]]
     return route
-
-
-def newest(path) -> float:
-    """The time the newest file under `path` was written (0 when there is none)."""
-    return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs), default=0.0)
 
 
 def update_meta(path, extra: dict):
