@@ -19,14 +19,15 @@ plotted with forgetting, BWT and FWT (eval/seq_matrix.png, eval/seq_matrix.json)
 
 Suites. tiny: each domain's `test` (in-domain) and `ood` split of the tiny worlds, 300 tasks, k=1. full: AIME26
 (avg@16), GPQA-Diamond, MMLU-Redux, NQ, TriviaQA, PopQA, HotpotQA, 2Wiki, MuSiQue, Bamboogle, tau-retail (test),
-tau-mock (tau3's mock domain, its `base` split: out-of-domain), IFEval, IFBench; every data source is a flag (HF ids by default where the env has one, local paths otherwise). The
+tau-mock (tau3's mock domain, its `base` split: out-of-domain), IFEval, IFBench; every data source is a flag (HF ids
+by default where the env has one, local paths otherwise). The
 table adds the study's search columns: single_hop (TriviaQA, PopQA) and multi_hop (HotpotQA, 2Wiki, MuSiQue, Bamboogle).
 
 Single process; evaluation needs no torchrun. Training scripts call evaluate_model() on the in-memory model.
 
 Differences from the paper / notes:
 1. The paper's other tau3 OOD domain, telecom, is not implemented at full scale (its user operates a simulated
-   phone with tools of its own; ~1,900 lines in tau2-bench): --source tau_telecom=DIR stops with one line.
+   phone with tools of its own; ~2,800 lines in tau2-bench): --source tau_telecom=DIR stops with one line.
 2. IFBench ids without a checker in envs/instruct.py are dropped (counted in the log), so IFBench is scored on
    the implemented subset.
 3. --backend hf generates with transformers on the CPU; --backend vllm runs one vLLM engine (a GPU at full

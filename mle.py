@@ -528,13 +528,13 @@ def main(argv=None):
             print0(f"[mle] {d}: {s['trainable_params']:,} trainable parameters, {s['adapter_bytes'] or 0:,} bytes")
         # a restart that trained nothing keeps the router and the merged exports it made before (same settings),
         # so that the evaluations made after them stay valid (evaluate.py --resume compares file times)
-        saved = os.path.join(a.out, "router.pt")
-        old = torch.load(saved, weights_only=False) if not trained and os.path.isfile(saved) else {}
-        if a.router == "learned" and [old.get(k) for k in ("domains", "prompts", "steps")] == \
-                [a.domains, a.router_prompts, a.router_steps]:
-            print0(f"[mle] learned router: {saved} kept (nothing retrained)")
-        elif a.router == "learned":
-            update_meta(a.out, dict(router_accuracy=train_router(a, envs, device)))
+        if a.router == "learned":
+            saved = os.path.join(a.out, "router.pt")
+            old = torch.load(saved, weights_only=False) if not trained and os.path.isfile(saved) else {}
+            if [old.get(k) for k in ("domains", "prompts", "steps")] == [a.domains, a.router_prompts, a.router_steps]:
+                print0(f"[mle] learned router: {saved} kept (nothing retrained)")
+            else:
+                update_meta(a.out, dict(router_accuracy=train_router(a, envs, device)))
         if a.export:
             export_merged(a, keep=not trained)
     print0(f"done in {time.time() - t0:.0f}s")

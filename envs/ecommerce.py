@@ -925,12 +925,13 @@ def _tau2_task(r, i, world, where):
     basis = crit.get("reward_basis") or list(REWARD_BASIS)
     if not isinstance(basis, list) or not set(basis) <= BASES:
         raise UsageError(f"task {tid} of {where}: reward_basis must be a list of {', '.join(sorted(BASES))}")
-    for a in calls + [dict(a, env=a["requestor"]) for a in actions]:   # (set-up may also use INIT_ONLY functions)
-        known = set(TOOLS.get(world if a["env"] == "assistant" else world + "_user", {})) | (set(INIT_ONLY) if a in calls
-                                                                                             else set())
-        if a["name"] not in known or not isinstance(a["arguments"], dict):
-            what = "initialization call" if a in calls else "gold action" + " (user)" * (a["env"] == "user")
-            raise UsageError(f"task {tid} of {where}: unknown {what} {a['name']!r}")
+    for what, items, extra in (("initialization call", calls, set(INIT_ONLY)),     # set-up may use INIT_ONLY too
+                               ("gold action", [dict(a, env=a["requestor"]) for a in actions], set())):
+        for a in items:
+            if a["name"] not in set(TOOLS.get(world if a["env"] == "assistant" else world + "_user", {})) | extra \
+                    or not isinstance(a["arguments"], dict):
+                user = " (user)" * (what == "gold action" and a["env"] == "user")
+                raise UsageError(f"task {tid} of {where}: unknown {what}{user} {a['name']!r}")
     for c in checks:
         if c["name"] not in ASSERTIONS or not isinstance(c["arguments"], dict):
             raise UsageError(f"task {tid} of {where}: unknown environment assertion {c['name']!r}")
@@ -1017,6 +1018,11 @@ def scripted_reply(info, user, text):
     return user["goal"]
 
 
+def spoken(content) -> str:
+    """A message's words to the other party: its <tool_call> blocks (an unterminated last one too) taken out."""
+    return re.sub(r"<tool_call>.*?(</tool_call>|$)", " ", str(content or ""), flags=re.DOTALL)
+
+
 def said_output(output: str, said: str, tiny: bool) -> bool:
     """Did the agent say a required output? tau-bench's rule is a substring test, kept for real tasks. A tiny
     task's outputs are numbers, which a substring test finds in any text with digits in it ("zip 236" says 2
@@ -1058,7 +1064,7 @@ class EcommerceEnv(Env):
         self.max_turns = max_turns or (10 if data is None else 30)
         self.db, self.policy, self.world, self.user_db = load_store(data) if data is not None else (None, None,
                                                                                                    "retail", {})
-        self._gold_hash = {}  # task id -> (initial dbs, target hashes), so the real store is set up once per task
+        self._gold_hash = {}  # task id -> (target hashes, its own initial dbs or None): the store set up once per task
 
     def tasks(self, split, n=None, seed=0):
         if self.data is not None:
@@ -1097,9 +1103,9 @@ class EcommerceEnv(Env):
                     {"role": "user", "content": "Hi! How can I help you today?"}]
             state.info["user_chat"] = chat
             for m in state.messages:   # a task's message history: the user said what the agent was told, and v.v.
-                text = re.sub(r"<tool_call>.*?(</tool_call>|$)", "", str(m.get("content") or ""), flags=re.DOTALL)
-                if m["role"] in ("user", "assistant") and text.strip():
-                    chat.append({"role": "assistant" if m["role"] == "user" else "user", "content": text.strip()})
+                text = spoken(m.get("content")).strip()
+                if m["role"] in ("user", "assistant") and text:
+                    chat.append({"role": "assistant" if m["role"] == "user" else "user", "content": text})
             if not state.messages or state.messages[-1]["role"] != "user":   # else the agent speaks next
                 opening = self._llm_turn(state)
                 state.messages.append({"role": "user", "content": opening})
@@ -1241,8 +1247,7 @@ class EcommerceEnv(Env):
                                           "turns", "user_error")}
         g = state.task.gold
         db_match = (db_hash(info["db"]), db_hash(info.get("user_db", {}))) == info["target"]
-        said = " ".join(re.sub(r"<tool_call>.*?(</tool_call>|$)", " ", str(m.get("content", "")), flags=re.DOTALL)
-                        for m in state.messages if m.get("role") == "assistant")
+        said = " ".join(spoken(m.get("content")) for m in state.messages if m.get("role") == "assistant")
         said = said.lower().replace(",", "")  # tau-bench ignores thousands separators
         outputs_ok = all(said_output(o, said, tiny=g["kind"] != "real") for o in g["outputs"])
         finished = info["ended"] in ("user_stop", "transfer") and not state.truncated

@@ -93,6 +93,12 @@ def _layer_kv(cache, layer: int) -> tuple:
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
+def _row_cache(cache, row: int, valid) -> list:
+    """One row's KV, per layer (keys, values) of shape (heads, T, head_dim), at the positions `valid` (its mask: the
+    left padding dropped), copied out of a batch's cache: what a row keeps for its next turn."""
+    return [tuple(x[row][:, valid].clone() for x in _layer_kv(cache, layer)) for layer in range(len(cache.layers))]
+
+
 def _preallocated_cache(n_layers: int, capacity: int):
     """A transformers Cache whose layers write each step's keys and values into buffers of `capacity` positions
     allocated at the first update, and hand attention a view of the filled part: the stock DynamicCache
@@ -354,8 +360,7 @@ class HFBackend:
                 for r in done.nonzero().squeeze(-1).tolist():
                     i, valid = live[r].item(), attn[r].bool()
                     key = tuple(prompts[i]) + tuple(toks[i][:-1])
-                    keep.setdefault(len(key), {})[key] = [tuple(x[r][:, valid].clone() for x in _layer_kv(cache, l))
-                                                          for l in range(self.model.config.num_hidden_layers)]
+                    keep.setdefault(len(key), {})[key] = _row_cache(cache, r, valid)
             keep_rows = ~done
             if step == max_new_tokens - 1 or not keep_rows.any():
                 break
@@ -374,12 +379,13 @@ class HFBackend:
         adapters): a row whose turn ends leaves the decode batch at once; turn_done([(key, Generation), ...]), called
         with the rows that ended at one step (key: the prompt's index), steps their environments and returns
         [(key, next prompt, budget), ...] for the episodes that go on. Those wait with their caches, and join the
-        batch when at least ADMIT x as many wait as decode (or it is empty, or the rest are waiting): their replies
-        are prefilled onto their caches (_kept_parts) and stacked with the live rows (_stack). A turn no longer waits
+        batch (of at most max_batch rows) when at least ADMIT x as many can join as decode, or it is empty: their
+        replies are prefilled onto their caches (_kept_parts) and stacked with the live rows (_stack). Ended rows
+        stay in the batch, ignored, until they are COMPACT of it or rows join. A turn no longer waits
         for the batch's slowest row, and the decode batch stays full while the episodes last. Each row stops at a
         stop token or at its own budget; a cache is freed when its episode ends. Greedy rows are those of
         generate() turn by turn; sampled rows draw from the same distribution in another order of the RNG."""
-        dev, n_layers = next(self.model.parameters()).device, self.model.config.num_hidden_layers
+        dev = next(self.model.parameters()).device
         stops = torch.tensor(list(stop_ids), device=dev)
         waiting = [(k, p, b, None) for k, (p, b) in enumerate(zip(prompts, budgets))]   # (key, prompt, budget, kept)
         live, batch = [], None     # live: per row [key, prompt length, budget, tokens, log-probs]; batch: as _stack's
@@ -429,8 +435,7 @@ class HFBackend:
                     for k, p, b in go_on:   # the cache of everything the row fed (not its stop token), for its reply
                         r, valid = row_of[k], attn[row_of[k]].bool()
                         fed = live[r][1] + len(live[r][3]) - 1
-                        waiting.append((k, p, b, (fed, [tuple(x[r][:, valid].clone() for x in _layer_kv(cache, layer))
-                                                         for layer in range(n_layers)])))
+                        waiting.append((k, p, b, (fed, _row_cache(cache, r, valid))))
                     for r in ended:
                         live[r] = None
                     if live.count(None) == len(live):
@@ -476,16 +481,15 @@ class HFBackend:
         kept caches begin after the shared prefix). -> as _prefill."""
         return self._stack(self._kept_parts(prompts, found, dev, P, kw), len(prompts), room)
 
-    def _kept_parts(self, prompts, found, dev, P=0, kw=None, first_row=0):
+    def _kept_parts(self, prompts, found, dev, P=0, kw=None):
         """_prefill_group on the prompts in groups by the length of their rest (powers of two), so that a group pads
         its replies to its own longest and not to the batch's (that halved the attention work of an e-commerce
-        turn). -> [(rows (numbered from first_row), logits, attention mask, last positions, cache)], for _stack."""
+        turn). -> [(rows (indices into prompts), logits, attention mask, last positions, cache)], for _stack."""
         rest = [p[n:] for p, (n, _) in zip(prompts, found)]
         groups = {}
         for b, r in enumerate(rest):
             groups.setdefault((len(r) - 1).bit_length(), []).append(b)
-        return [([first_row + b for b in rows], *self._prefill_group([rest[b] for b in rows], [found[b] for b in rows],
-                                                                     dev, P, kw))
+        return [(rows, *self._prefill_group([rest[b] for b in rows], [found[b] for b in rows], dev, P, kw))
                 for rows in groups.values()]
 
     def _stack(self, parts, B, room):
