@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 
 from common import UsageError  # noqa: F401  (the project's one input-error type, re-exported)
 
+
+class ToolError(Exception):
+    """A tool refused the call; the text goes back to the policy as 'Error: ...' (envs/ecommerce.py's run_tool)."""
+
+
 SPLITS = ("train", "val", "test", "ood")  # val: for weight/hyper-parameter search, never test
 # What a call to an outside service (an LLM user, a retrieval server) raises when the service is down or answers
 # malformed JSON: urllib's and http.client's errors, and a reply without the expected fields.
 SERVICE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException)
-
-
 
 
 @dataclass

@@ -14,10 +14,11 @@ with other tools and another policy (as tau3's telecom differs from retail).
 Full scale: `data=DIR` holds tau-bench v1 retail data (users.json, orders.json, products.json,
 tasks_<split>.py or .json, wiki.md) or tau2/tau3 data (db.json, tasks.json, split_tasks.json,
 policy.md): the retail domain, or tau3's mock domain (users and their to-do tasks; user_db.json holds the
-user's notification inbox, which the user model works with tools of its own). tau2 tasks' initial states
-(initialization data and actions, a message history whose tool calls are replayed) are set up as tau2
-does. The user is an LLM behind an OpenAI-compatible chat endpoint (`user_url`); v1 task files are
-Python, so they are read with `ast` as data and never imported. tau3's telecom domain is not implemented.
+user's notification inbox, which the user model works with tools of its own), or tau3's telecom domain
+(db.toml, user_db.toml: the user operates a simulated phone; envs/tau_telecom.py). tau2 tasks' initial
+states (initialization data and actions, a message history whose tool calls are replayed) are set up as
+tau2 does. The user is an LLM behind an OpenAI-compatible chat endpoint (`user_url`); v1 task files are
+Python, so they are read with `ast` as data and never imported.
 
 Reward (tau-bench): 1 iff the final database equals the initial one with the task's gold actions
 replayed on it, every required output string appears in the agent's words, and the episode ended
@@ -36,11 +37,13 @@ import re
 import sys
 import urllib.request
 
+from envs import tau_telecom
 from envs.base import (
     SERVICE_ERRORS,
     SPLITS,
     Env,
     Task,
+    ToolError,
     UsageError,
     check_arguments,
     function_schema,
@@ -57,10 +60,6 @@ REASONS = ("no longer needed", "ordered by mistake")
 # ---------------------------------------------------------------------------------------------------
 # Tools: plain functions over the database dict. A refusal raises ToolError, which step() turns into an
 # "Error: ..." tool message; argument names and types are checked against the schema before any call.
-
-class ToolError(Exception):
-    """A tool refused the call; the text goes back to the policy as 'Error: ...'."""
-
 
 def _get(table, key, what):
     if key not in table:
@@ -385,6 +384,7 @@ ASSERTIONS = {
     "assert_task_status": lambda db, task_id, expected_status: _get(db["tasks"], task_id, "task")["status"] == expected_status,
     "assert_notification_status": lambda db, notification_id, expected_status:
         _get(db.get("notifications", {}), notification_id, "notification")["status"] == expected_status,
+    **tau_telecom.ASSERTIONS,   # telecom's: the phone (mobile data, speed, MMS, service) and the records
 }
 
 
@@ -438,12 +438,19 @@ MOCK_USER = [   # the user's own tools (tau3's dual control), called by the LLM 
 ]
 # world -> {tool name: (function, schema)}; "<world>_user": the user's tools there
 TOOLS = {world: {fn.__name__: (fn, function_schema(fn.__name__, desc, props, *req)) for fn, desc, props, *req in table}
-         for world, table in (("retail", RETAIL), ("telecom", TELECOM), ("mock", MOCK), ("mock_user", MOCK_USER))}
+         for world, table in (("retail", RETAIL), ("telecom", TELECOM), ("mock", MOCK), ("mock_user", MOCK_USER),
+                              ("tau_telecom", tau_telecom.TOOLS), ("tau_telecom_user", tau_telecom.USER_TOOLS))}
 SCHEMAS = {world: [schema for _, schema in tools.values()] for world, tools in TOOLS.items()}
 WRITES = {"cancel_pending_order", "modify_pending_order_address", "modify_pending_order_items",
           "modify_pending_order_payment", "modify_user_address", "return_delivered_order_items",
           "exchange_delivered_order_items", "suspend_line", "resume_line", "change_plan", "add_data", "create_task",
-          "update_task_status", "dismiss_notification"}
+          "update_task_status", "dismiss_notification"} | tau_telecom.WRITES
+SYNC = {"tau_telecom": tau_telecom.sync}   # world -> what runs on (db, user db) after every call, as tau2's sync_tools
+
+
+def sync(world, db, user_db):
+    if world in SYNC:
+        SYNC[world](db, user_db)
 
 
 def run_tool(world, db, name, args):
@@ -478,6 +485,7 @@ def replay(world, db, actions, user_db=None):
         if a["name"] != "transfer_to_human_agents":
             user = a.get("requestor") == "user"
             run_tool(world + "_user" if user else world, udb if user else db, a["name"], a["arguments"])
+            sync(world, db, udb)
     return db if user_db is None else (db, udb)
 
 
@@ -487,7 +495,7 @@ def add_notification(db, notification_id, message, task_id=None):
                                                            "status": "unread", "task_id": task_id}
 
 
-INIT_ONLY = {"add_notification": add_notification}
+INIT_ONLY = {"add_notification": add_notification, **tau_telecom.INIT_ONLY}
 
 
 def _deep_update(dst, src):
@@ -508,14 +516,20 @@ def initial_dbs(world, db, user_db, gold):
     calls = [(c["env"], c["name"], c["arguments"]) for c in gold.get("init_calls", [])]
     calls += [("assistant" if m.get("role") == "assistant" else "user", c.get("name"), c.get("arguments") or {})
               for m in gold.get("history", []) for c in m.get("tool_calls") or []]
-    for env, name, args in calls:
-        side, target = (world, db) if env == "assistant" else (world + "_user", user_db)
-        if name in INIT_ONLY:
-            INIT_ONLY[name](target, **args)
-            continue
-        text, ok = run_tool(side, target, name, args) if side in TOOLS else (f"no {side} tools", False)
-        if not ok:
-            raise UsageError(f"the initial state of {gold.get('id', 'a task')} fails at {name}: {text}")
+    name = "its first sync"
+    try:
+        sync(world, db, user_db)   # tau2 syncs the two sides when it makes the environment, then after every call
+        for env, name, args in calls:
+            side, target = (world, db) if env == "assistant" else (world + "_user", user_db)
+            if name in INIT_ONLY:
+                INIT_ONLY[name](target, **args)
+            else:
+                text, ok = run_tool(side, target, name, args) if side in TOOLS else (f"no {side} tools", False)
+                if not ok:
+                    raise ToolError(text)
+            sync(world, db, user_db)
+    except (ToolError, TypeError, KeyError) as e:
+        raise UsageError(f"the initial state of {gold.get('id', 'a task')} fails at {name}: {e}") from None
     return db, user_db
 
 
@@ -833,8 +847,7 @@ def load_store(data_dir):
         raise UsageError(f"e-commerce data directory not found: {data_dir}")
     tables = {"retail": ("users", "orders", "products"), "mock": ("tasks", "users")}
     if os.path.isfile(os.path.join(data_dir, "db.toml")):
-        raise UsageError(f"{data_dir} looks like tau3's telecom domain (db.toml), which is not implemented at full scale "
-                         "(dual control: the user operates a simulated phone with tools of its own)")
+        return load_telecom(data_dir)
     if os.path.isfile(os.path.join(data_dir, "db.json")):
         db = _read_json(os.path.join(data_dir, "db.json"))
     elif all(os.path.isfile(os.path.join(data_dir, t + ".json")) for t in tables["retail"]):
@@ -861,6 +874,34 @@ def load_store(data_dir):
     if policy is None:
         raise UsageError(f"no policy.md in {data_dir}: the {world} domain's agent policy is part of its data")
     return db, policy, world, user_db
+
+
+def _read_toml(path):
+    import tomllib
+    if not os.path.isfile(path):
+        raise UsageError(f"telecom data file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"malformed TOML in {path}: {e}") from None
+
+
+def load_telecom(data_dir):
+    """(db, policy, world, user_db) of tau3's telecom directory: the carrier's records (db.toml), the user's phone
+    (user_db.toml) and the policy tau2 gives its agent: main_policy.md and the tech-support manual, each in its tags."""
+    try:
+        db = tau_telecom.load_db(_read_toml(os.path.join(data_dir, "db.toml")))
+    except ValueError as e:
+        raise UsageError(f"malformed {os.path.join(data_dir, 'db.toml')}: {e}") from None
+    user_db = tau_telecom.load_user_db(_read_toml(os.path.join(data_dir, "user_db.toml")))
+    parts = []
+    for name, tag in (("main_policy.md", "main_policy"), ("tech_support_manual.md", "tech_support_policy")):
+        if not os.path.isfile(os.path.join(data_dir, name)):
+            raise UsageError(f"no {name} in {data_dir}: the telecom agent's policy is part of its data")
+        with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+            parts.append(f"<{tag}>\n{f.read().strip()}\n</{tag}>")
+    return db, "\n".join(parts), "tau_telecom", user_db
 
 
 def _py_value(node):
@@ -1149,6 +1190,7 @@ class EcommerceEnv(Env):
             text, ok = "Error: ask the user to confirm (yes/no) before this change", False
         else:
             text, ok = run_tool(info["world"], info["db"], name, args)
+            sync(info["world"], info["db"], info["user_db"])
         if ok and name in WRITES:
             info["writes"] += 1
             info["confirmed"] = False  # one yes allows one change
@@ -1224,6 +1266,7 @@ class EcommerceEnv(Env):
                     name = str(fn.get("name"))
                     text = run_tool(info["world"] + "_user", info["user_db"], name, args)[0] if isinstance(args, dict) \
                         else "Error: the arguments are not a JSON object"
+                    sync(info["world"], info["db"], info["user_db"])
                     info["calls"].append((name, args if isinstance(args, dict) else {}))
                     chat.append({"role": "tool", "tool_call_id": c.get("id") if isinstance(c, dict) else None,
                                  "content": text})

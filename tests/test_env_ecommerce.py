@@ -909,10 +909,6 @@ def test_tau3_mock_bad_data_is_a_clear_error(tmp_path, fake_user):
     env = EcommerceEnv(data=write_mock(tmp_path / "c", bad), user_url=user.url)
     with pytest.raises(UsageError, match="initial state .* fails at update_task_status"):
         env.reset(env.tasks("base")[0])
-    (tmp_path / "telecom").mkdir()
-    (tmp_path / "telecom" / "db.toml").write_text("[[plans]]\n")
-    with pytest.raises(UsageError, match="telecom domain .* not implemented"):
-        EcommerceEnv(data=str(tmp_path / "telecom"), user_url=user.url)
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "db.json").write_text(json.dumps(MOCK_DB))
     with pytest.raises(UsageError, match="no policy.md"):

@@ -286,7 +286,7 @@ def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
     (["--source", "aime26=x.jsonl"], "--source is for the full suite"),
     (["--suite", "full", "--benchmarks", "aime25"], "unknown full-suite benchmark"),
     (["--suite", "full", "--benchmarks", "tau_mock"], "tau_mock needs"),
-    (["--suite", "full", "--source", "tau_telecom=x"], "telecom domain is not implemented"),
+    (["--suite", "full", "--benchmarks", "tau_telecom"], "tau_telecom needs"),
     (["--suite", "full", "--source", "aime26"], "NAME=PATH_OR_ID"),
     (["--matrix"], "--matrix needs sequential stages"),
     (["--temperature", "math=hot"], "--temperature takes X or domain=X"),
