@@ -4,7 +4,7 @@ tools, and bad data stopping with one line. The fixture is written here, in tau2
 import json
 
 import pytest
-from test_env_ecommerce import _play, fake_user  # noqa: F401  (a pytest fixture)
+from test_env_ecommerce import FakeUser, _play
 
 from envs import tau_telecom as tel
 from envs.base import UsageError, tool_call_text
@@ -109,6 +109,14 @@ def write_telecom(root, tasks=TASKS, db=DB_TOML):
     return str(root)
 
 
+@pytest.fixture
+def user():
+    """A fake LLM user (an OpenAI-compatible server on 127.0.0.1); each _play gives it its replies."""
+    server = FakeUser([])
+    yield server
+    server.close()
+
+
 def _user_call(name, **arguments):
     """What the LLM user sends to call one of its phone tools (OpenAI tools format)."""
     return {"content": None, "tool_calls": [{"id": name, "type": "function",
@@ -190,10 +198,9 @@ def test_sync_carries_the_records_to_the_phone_and_payments_back():
     assert ASSERTIONS["assert_no_overdue_bill"](db, "B9")
 
 
-def test_telecom_episodes_with_an_llm_user_working_the_phone(tmp_path, fake_user):
+def test_telecom_episodes_with_an_llm_user_working_the_phone(tmp_path, user):
     """Whole episodes: the agent's calls change the records, the user model's tool calls change the phone, the two
     are synced after every call, and the reward is tau2's ENV_ASSERTION (and ACTION) on the final state."""
-    user = fake_user([])
     env = EcommerceEnv(data=write_telecom(tmp_path / "tel"), user_url=user.url, user_model="m")
     tasks = {t.gold["id"]: t for t in env.tasks("base")}
     assert env.world == "tau_telecom" and env.policy.startswith("<main_policy>\n# Telecom policy")
@@ -229,8 +236,7 @@ def test_telecom_episodes_with_an_llm_user_working_the_phone(tmp_path, fake_user
     assert _play(env, tasks["locked"], ["Try rebooting."], ["No service.", stop], user)[1] == 0
 
 
-def test_telecom_bad_data_stops_with_one_line(tmp_path, fake_user):
-    user = fake_user([])
+def test_telecom_bad_data_stops_with_one_line(tmp_path, user):
     with pytest.raises(UsageError, match="malformed TOML"):
         EcommerceEnv(data=write_telecom(tmp_path / "a", db="[[plans]\n"), user_url=user.url, user_model="m")
     with pytest.raises(UsageError, match="needs a list \\[\\[customers\\]\\]"):
