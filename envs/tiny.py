@@ -16,8 +16,8 @@ Differences from the paper (which starts from Qwen3-8B-Base):
    (--loss-on all): at this size, copying (operands, names, ids) is learned from the prompts' and tool
    results' tokens too, and assistant-only loss left it unlearned for thousands of steps.
 2. Before that pre-training, an induction drill (random token sequences said three times, loss on the
-   repeats, lr 1e-2, until its loss is below 0.5 nats; when a round of --drill-steps ends without that, a restart
-   from a fresh initialisation on fresh sequences, up to 3 rounds): without it the ~1M model never learns to copy by position,
+   repeats, lr 1e-2, until its loss is below 0.5 nats; a round that has not got there by step 1,500 gives up and
+   the next starts from a fresh initialisation on fresh sequences, up to 6 rounds): without it the ~1M model never learns to copy by position,
    and search sits at 0% EM (the README's base section has the measurements).
 3. The chat template is Qwen3's format (<|im_start|>role ... <|im_end|>, <tool_call>, tool results as
    <tool_response> inside a user turn) but lists tools compactly, one `name(arg, ...)` line each,
@@ -174,7 +174,13 @@ def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all",
 
 DEFAULT_MIX = {"ecommerce": 4.0}   # pre-training weight per group (1 for the others): see --mix
 DRILL_DONE = 0.5   # nats per repeated token: the copy circuit has formed (uniform guessing costs ~6.9)
-DRILL_ROUNDS = 3   # drill rounds of --drill-steps each before the build gives up
+# A drill round that has not formed copying by DRILL_PATIENCE steps gives up (its lr schedule stays --drill-steps
+# long, so a round that forms is the same computation as without it): copying formed at step 729-1,007 for seeds
+# 0, 2, 3, 4 (550 in an earlier version's run), and the rounds that did not were far from it by then (seed 1: 4.05
+# at step 1,000, 2.06 at 3,000; seed 5: 3.28 at 1,400; seed 1001: 3.06 at 3,000). Then a random restart, up to
+# DRILL_ROUNDS rounds: 4 of these 7 initialisations formed copying, so six rounds all fail about once in 160 builds.
+DRILL_PATIENCE = 1500
+DRILL_ROUNDS = 6
 
 
 def copy_rows(pool, n: int, seed: int):
@@ -203,10 +209,12 @@ def make_batches(rows, batch_tokens: int):
 
 
 def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int | None = None,
-             mix: dict | None = None, stop_below: float | None = None, name: str = "pre-train"):
+             mix: dict | None = None, stop_below: float | None = None, name: str = "pre-train",
+             give_up_at: int | None = None):
     """AdamW, warmup + cosine decay. Each step draws a group (a domain, or generic text) with weight
     mix.get(group, 1), then one of its length-bucketed batches: a long multi-turn domain gets as many
-    updates as a short one. stop_below: stop early once the mean loss of the last 50 steps is below it.
+    updates as a short one. stop_below: stop early once the mean loss of the last 50 steps is below it;
+    give_up_at: with stop_below, stop at this step if that has not happened (the schedule is still `steps` long).
     A progress line (`name`, step/steps, the mean loss since the last line, lr, elapsed, ETA) every log_every
     steps (default: every 5% of steps), at the last step and at an early stop; with stop_below the ETA is
     to `steps`, an upper bound."""
@@ -247,12 +255,16 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
         opt.step()
         losses.append(loss.item())
         done = stop_below is not None and len(losses) >= 50 and sum(losses[-50:]) / 50 < stop_below
-        if step % log_every == 0 or step == steps or done:
+        give_up = stop_below is not None and not done and step == give_up_at
+        if step % log_every == 0 or step == steps or done or give_up:
             last, shown = losses[shown:], step   # the loss is the mean over the steps since the last line
             print(f"{name} step {step:5d}/{steps} | loss {sum(last) / len(last):.4f} | lr {lr_now:.2e} "
-                  f"| {elapsed_eta(t0, step, step if done else steps, at_most=stop_below is not None and not done)}", flush=True)
+                  f"| {elapsed_eta(t0, step, step if done else min(steps, give_up_at or steps), at_most=stop_below is not None and not done)}", flush=True)
         if done:
             print(f"stopped at step {step}: the last 50 steps' loss is below {stop_below}", flush=True)
+            break
+        if give_up:
+            print(f"gave up at step {step}: the last 50 steps' loss is still above {stop_below}", flush=True)
             break
     model.eval()
     return losses
@@ -266,7 +278,8 @@ def build_fingerprint(chats, generic, config: dict) -> str:
     import inspect
     h = hashlib.sha256()
     code = [train_tokenizer, model_config, corpus_tokenizer, encode_corpus, copy_rows, make_batches, pretrain, build_base]
-    for part in [CHAT_TEMPLATE, SPLIT, json.dumps(SIZES, sort_keys=True), str(DRILL_DONE), str(DRILL_ROUNDS)] + [inspect.getsource(f) for f in code]:
+    drill = [str(DRILL_DONE), str(DRILL_ROUNDS), str(DRILL_PATIENCE)]
+    for part in [CHAT_TEMPLATE, SPLIT, json.dumps(SIZES, sort_keys=True)] + drill + [inspect.getsource(f) for f in code]:
         h.update(part.encode())
     h.update(json.dumps(config, sort_keys=True).encode())
     for doc in chats + generic:
@@ -303,25 +316,26 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     drill_stop, drill_loss = 0, None
     if drill_steps:   # phase 1: the drill alone, at a high lr, until copying forms (a sudden drop of its loss,
         # whose step varies between runs and seeds: 550 in one, 1,007 for seed 0, never for seed 1), then stop.
-        # A round that ends at its cap is a failed start: seed 1's stalled at a loss of ~2.1, and a second round
-        # re-warmed from there stalled too (2.14 after 1,350 more steps). So the next round starts over, from a
-        # fresh initialisation (seed + 1000 r) on fresh sequences: a random restart, up to DRILL_ROUNDS rounds.
-        print(f"induction drill: at most {DRILL_ROUNDS} x {drill_steps} steps at lr {drill_lr}, until its loss < "
-              f"{DRILL_DONE}", flush=True)
+        # A round that has not formed it by DRILL_PATIENCE is a failed start: seed 1's stalled at a loss of ~2.1,
+        # and a second round re-warmed from there stalled too (2.14 after 1,350 more steps). So the next round
+        # starts over, from a fresh initialisation (seed + 1000 r) on fresh sequences: a random restart.
+        patience = min(DRILL_PATIENCE, drill_steps)
+        print(f"induction drill: at most {DRILL_ROUNDS} rounds of {patience} steps (lr {drill_lr}, a schedule of "
+              f"{drill_steps}), until its loss < {DRILL_DONE}", flush=True)
         for r in range(DRILL_ROUNDS):   # round 1 is the drill every committed base was built with
             rs = seed + 1000 * r   # round r's initialisation, sequences and batch order
             if r > 0:
                 torch.manual_seed(rs)
                 model = Qwen3ForCausalLM(cfg)
             losses = pretrain(model, copy_rows(list(range(10, len(tok))), 40 * drill_steps, rs), drill_steps,
-                              batch_tokens, drill_lr, rs, stop_below=DRILL_DONE,
+                              batch_tokens, drill_lr, rs, stop_below=DRILL_DONE, give_up_at=patience,
                               name="drill" if r == 0 else f"drill round {r + 1}")
             drill_stop += len(losses)
             drill_loss = sum(losses[-50:]) / len(losses[-50:])
             if drill_loss < DRILL_DONE:
                 break
         else:
-            print(f"warning: the induction drill did not form copying in {DRILL_ROUNDS} x {drill_steps} steps (loss "
+            print(f"warning: the induction drill did not form copying in {DRILL_ROUNDS} rounds of {patience} steps (loss "
                   f"{drill_loss:.2f} > {DRILL_DONE}): this base will hardly copy (search near 0% EM); acl_meta.json "
                   "records drill_formed false", flush=True)
     print(f"pre-training: {steps} steps at lr {lr}", flush=True)
@@ -361,8 +375,9 @@ def main():
                    "(1 for a group not named, generic text included; '' = 1 each); default DEFAULT_MIX, "
                    "ecommerce=4: its long multi-turn tool calls are the hardest format (at 2,000 steps this "
                    "much ecommerce stops the base searching; 3,000 steps keep both)")
-    p.add_argument("--drill-steps", type=int, default=3000, help="induction drill before pre-training: at most "
-                   "this many steps on random token sequences said three times, loss on the repeats (0 = none)")
+    p.add_argument("--drill-steps", type=int, default=3000, help="induction drill before pre-training: the length "
+                   "of its lr schedule on random token sequences said three times, loss on the repeats (0 = none); "
+                   f"a round gives up at step min(this, {DRILL_PATIENCE}) and restarts, up to {DRILL_ROUNDS} rounds")
     p.add_argument("--drill-lr", type=float, default=1e-2, help="peak learning rate of the drill")
     p.add_argument("--copy-docs", type=int, default=0, help="drill documents kept in the pre-training mix (group "
                                                                "'copy'), on the corpus's own tokens")

@@ -105,12 +105,12 @@ def drill_build(tmp_path_factory):
 
 def test_build_base_with_the_drill(drill_build):
     out, r = drill_build
-    assert "induction drill: at most 3 x 10 steps" in r.stdout
+    assert "induction drill: at most 6 rounds of 10 steps" in r.stdout
     meta = json.loads((out / "acl_meta.json").read_text())
     assert meta["config"]["drill_steps"] == 10 and meta["config"]["copy_docs"] == 30
-    # 10 steps never form copying: three rounds ran, the build says so and records it (the base is still saved)
-    assert "drill round 3 step    10/10" in r.stdout and "warning: the induction drill did not form copying" in r.stdout
-    assert meta["drill_stopped_at"] == 30 and meta["drill_formed"] is False
+    # 10 steps never form copying: six rounds ran, the build says so and records it (the base is still saved)
+    assert "drill round 6 step    10/10" in r.stdout and "warning: the induction drill did not form copying" in r.stdout
+    assert meta["drill_stopped_at"] == 60 and meta["drill_formed"] is False
 
 
 def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
@@ -145,6 +145,23 @@ def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
     # round 2 drilled a fresh model, initialised from seed + 1000, not round 1's
     a, b = (dict(m.named_parameters())["model.layers.0.mlp.up_proj.weight"] for m in models)
     assert models[0] is not models[1] and not torch.equal(a, b)
+
+
+def test_a_drill_round_that_gives_up_is_the_same_computation_until_then():
+    """give_up_at stops a round early without changing it: the schedule stays `steps` long, so its first steps are
+    exactly those of the round that runs on (a round that forms copying before DRILL_PATIENCE is unchanged)."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    import envs.tiny as tiny
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-base"))
+    rows = tiny.copy_rows(list(range(10, len(tok))), 200, 0)
+    runs = []
+    for give_up in (None, 4):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(tiny.model_config(tok, "micro", 256))
+        runs.append(tiny.pretrain(model, rows, 10, 512, 1e-2, 0, stop_below=1e-6, give_up_at=give_up))
+    assert len(runs[0]) == 10 and len(runs[1]) == 4 and runs[1] == runs[0][:4]
+    assert tiny.DRILL_PATIENCE <= 3000 and tiny.DRILL_ROUNDS >= 2
 
 
 def test_build_prints_progress_with_eta(drill_build):
