@@ -17,7 +17,7 @@ Differences from the paper (which starts from Qwen3-8B-Base):
    results' tokens too, and assistant-only loss left it unlearned for thousands of steps.
 2. Before that pre-training, an induction drill (random token sequences said three times, loss on the
    repeats, lr 1e-2, until its loss is below 0.5 nats; a round that has not got there by step 1,500 gives up and
-   the next starts from a fresh initialisation on fresh sequences, up to 6 rounds): without it the ~1M model never learns to copy by position,
+   the next starts from a fresh initialisation on fresh sequences, up to 12 rounds: about 1 in 3 rounds forms it): without it the ~1M model never learns to copy by position,
    and search sits at 0% EM (the README's base section has the measurements).
 3. The chat template is Qwen3's format (<|im_start|>role ... <|im_end|>, <tool_call>, tool results as
    <tool_response> inside a user turn) but lists tools compactly, one `name(arg, ...)` line each,
@@ -175,12 +175,13 @@ def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all",
 DEFAULT_MIX = {"ecommerce": 4.0}   # pre-training weight per group (1 for the others): see --mix
 DRILL_DONE = 0.5   # nats per repeated token: the copy circuit has formed (uniform guessing costs ~6.9)
 # A drill round that has not formed copying by DRILL_PATIENCE steps gives up (its lr schedule stays --drill-steps
-# long, so a round that forms is the same computation as without it): copying formed at step 729-1,007 for seeds
-# 0, 2, 3, 4 (550 in an earlier version's run), and the rounds that did not were far from it by then (seed 1: 4.05
-# at step 1,000, 2.06 at 3,000; seed 5: 3.28 at 1,400; seed 1001: 3.06 at 3,000). Then a random restart, up to
-# DRILL_ROUNDS rounds: 4 of these 7 initialisations formed copying, so six rounds all fail about once in 160 builds.
+# long, so a round that forms is the same computation as without it), and the next starts over from a fresh
+# initialisation: a random restart. Measured (2026-12-03, docs/LOG.md): copying formed at step 721-1,007 in the rounds
+# that formed it (seeds 0, 2, 3, 4); the others were far from it at step ~1,000 (3.2-4.4 nats; 1.5-3.8 at 1,500;
+# 2.06 at 3,000 for seed 1). That is 4 of 12 initialisations, so at p = 1/3 per round, 12 rounds all fail about
+# once in 130 builds; a failed round costs ~3 min at 2 threads.
 DRILL_PATIENCE = 1500
-DRILL_ROUNDS = 6
+DRILL_ROUNDS = 12
 
 
 def copy_rows(pool, n: int, seed: int):

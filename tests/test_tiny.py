@@ -105,12 +105,12 @@ def drill_build(tmp_path_factory):
 
 def test_build_base_with_the_drill(drill_build):
     out, r = drill_build
-    assert "induction drill: at most 6 rounds of 10 steps" in r.stdout
+    assert "induction drill: at most 12 rounds of 10 steps" in r.stdout
     meta = json.loads((out / "acl_meta.json").read_text())
     assert meta["config"]["drill_steps"] == 10 and meta["config"]["copy_docs"] == 30
-    # 10 steps never form copying: six rounds ran, the build says so and records it (the base is still saved)
-    assert "drill round 6 step    10/10" in r.stdout and "warning: the induction drill did not form copying" in r.stdout
-    assert meta["drill_stopped_at"] == 60 and meta["drill_formed"] is False
+    # 10 steps never form copying: twelve rounds ran, the build says so and records it (the base is still saved)
+    assert "drill round 12 step    10/10" in r.stdout and "warning: the induction drill did not form copying" in r.stdout
+    assert meta["drill_stopped_at"] == 120 and meta["drill_formed"] is False
 
 
 def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
