@@ -1084,7 +1084,8 @@ class EcommerceEnv(Env):
     user_model, user_api_key_env, user_timeout: the user model's name, the environment variable that holds
         its API key (None: no key is sent; a key goes only where it is named, and a warning is printed when it
         would travel over plain http to another machine), and the HTTP timeout in seconds.
-    max_turns: assistant turns per episode (default 10 tiny, 30 full, as tau-bench's 30 steps).
+    max_turns: assistant turns per episode (default 10 tiny, 30 full, as tau-bench's 30 steps; telecom 100: its
+        troubleshooting takes many turns, and tau2 allows 200 messages of every role).
     workers: with user_url, how many episodes' resets and turns the rollout loop runs at once (threads)."""
     domain = "ecommerce"
 
@@ -1102,9 +1103,9 @@ class EcommerceEnv(Env):
         self.data, self.user_url, self.user_model = data, user_url, user_model
         self.user_api_key_env, self.user_timeout = user_api_key_env, user_timeout
         self.workers = max(1, workers) if user_url else 1   # episodes' user turns at once (the rollout loop's env_calls)
-        self.max_turns = max_turns or (10 if data is None else 30)
         self.db, self.policy, self.world, self.user_db = load_store(data) if data is not None else (None, None,
                                                                                                    "retail", {})
+        self.max_turns = max_turns or (10 if data is None else 100 if self.world == "tau_telecom" else 30)
         self._gold_hash = {}  # task id -> (target hashes, its own initial dbs or None): the store set up once per task
 
     def tasks(self, split, n=None, seed=0):

@@ -204,7 +204,7 @@ def test_telecom_episodes_with_an_llm_user_working_the_phone(tmp_path, user):
     env = EcommerceEnv(data=write_telecom(tmp_path / "tel"), user_url=user.url, user_model="m")
     tasks = {t.gold["id"]: t for t in env.tasks("base")}
     assert env.world == "tau_telecom" and env.policy.startswith("<main_policy>\n# Telecom policy")
-    assert "<tech_support_policy>" in env.policy and len(tasks) == 4
+    assert "<tech_support_policy>" in env.policy and len(tasks) == 4 and env.max_turns == 100
     assert {s["function"]["name"] for s in tasks["abroad"].tools} >= {"get_customer_by_phone", "refuel_data"}
     stop = "###STOP###"
     # abroad with roaming off on the line and on the phone: both sides must switch it on
