@@ -177,9 +177,9 @@ DRILL_DONE = 0.5   # nats per repeated token: the copy circuit has formed (unifo
 # A drill round that has not formed copying by DRILL_PATIENCE steps gives up (its lr schedule stays --drill-steps
 # long, so a round that forms is the same computation as without it), and the next starts over from a fresh
 # initialisation: a random restart. Measured (2026-12-03, docs/LOG.md): copying formed at step 721-1,007 in the rounds
-# that formed it (seeds 0, 2, 3, 4); the others were far from it at step ~1,000 (3.2-4.4 nats; 1.5-3.8 at 1,500;
-# 2.06 at 3,000 for seed 1). That is 4 of 12 initialisations, so at p = 1/3 per round, 12 rounds all fail about
-# once in 130 builds; a failed round costs ~3 min at 2 threads.
+# that formed it (seeds 0, 2, 3, 4 and 6001, seed 1's round 7); the others were far from it at step ~1,000 (3.2-4.4
+# nats; 1.5-3.8 at 1,500; 2.06 at 3,000 for seed 1). That is 5 of 13 initialisations, so at p = 1/3 per round, 12
+# rounds all fail about once in 130 builds; a failed round costs ~3 min at 2 threads.
 DRILL_PATIENCE = 1500
 DRILL_ROUNDS = 12
 
