@@ -21,6 +21,7 @@ The phone's rules (the network search, when mobile data works, the speed test, w
 tau2-bench's telecom user tools. Differences: records are keyed by id (tau2 keeps lists); a draft bill made by
 refuel_data gets an id from the customer and its bill count (tau2 draws a random uuid), so two replays agree.
 """
+import datetime
 import hashlib
 import json
 
@@ -137,12 +138,10 @@ def _month_start(iso, months_ahead):
 
 
 def _day_before(iso):
-    import datetime
     return (datetime.date.fromisoformat(iso) - datetime.timedelta(days=1)).isoformat()
 
 
 def _plus_days(iso, n):
-    import datetime
     return (datetime.date.fromisoformat(iso) + datetime.timedelta(days=n)).isoformat()
 
 
