@@ -23,6 +23,22 @@ class ToolError(Exception):
     """A tool refused the call; the text goes back to the policy as 'Error: ...' (envs/ecommerce.py's run_tool)."""
 
 
+def json_copy(x):
+    """A deep copy of JSON-like data (dicts, lists, strings, numbers): much faster than copy.deepcopy on a store."""
+    return json.loads(json.dumps(x))
+
+
+def deep_update(dst: dict, src: dict) -> dict:
+    """Merge `src` into `dst` in place, dicts key by key (tau2's initialization data, a database's defaults);
+    every other value replaced by a copy. Returns dst."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            deep_update(dst[k], v)
+        else:
+            dst[k] = json_copy(v)
+    return dst
+
+
 SPLITS = ("train", "val", "test", "ood")  # val: for weight/hyper-parameter search, never test
 # What a call to an outside service (an LLM user, a retrieval server) raises when the service is down or answers
 # malformed JSON: urllib's and http.client's errors, and a reply without the expected fields.

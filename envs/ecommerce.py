@@ -46,7 +46,9 @@ from envs.base import (
     ToolError,
     UsageError,
     check_arguments,
+    deep_update,
     function_schema,
+    json_copy,
     parse_tool_calls,
     tool_call_text,
     tool_message,
@@ -473,14 +475,10 @@ def db_hash(db) -> str:
     return hashlib.sha256(json.dumps(db, sort_keys=True).encode()).hexdigest()
 
 
-def _copy(db):
-    return json.loads(json.dumps(db))  # a deep copy, and much faster than copy.deepcopy on the real store
-
-
 def replay(world, db, actions, user_db=None):
     """The database after running the gold `actions` on a copy of `db` (errors are ignored, as in tau-bench); with
     user_db, (db, user db), the actions whose requestor is the user run on a copy of that."""
-    db, udb = _copy(db), _copy(user_db or {})
+    db, udb = json_copy(db), json_copy(user_db or {})
     for a in actions:
         if a["name"] != "transfer_to_human_agents":
             user = a.get("requestor") == "user"
@@ -498,21 +496,13 @@ def add_notification(db, notification_id, message, task_id=None):
 INIT_ONLY = {"add_notification": add_notification, **tau_telecom.INIT_ONLY}
 
 
-def _deep_update(dst, src):
-    for k, v in src.items():
-        if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _deep_update(dst[k], v)
-        else:
-            dst[k] = _copy(v)
-
-
 def initial_dbs(world, db, user_db, gold):
     """(agent db, user db) of a task before its episode, as tau2's set_state makes them: copies of the store with the
     task's initialization data merged in, its initialization actions run, and the tool calls of its message history
     replayed. A set-up that fails is a data error (UsageError), never the policy's."""
-    db, user_db = _copy(db), _copy(user_db)
-    _deep_update(db, gold.get("init_data", {}).get("agent_data") or {})
-    _deep_update(user_db, gold.get("init_data", {}).get("user_data") or {})
+    db, user_db = json_copy(db), json_copy(user_db)
+    deep_update(db, gold.get("init_data", {}).get("agent_data") or {})
+    deep_update(user_db, gold.get("init_data", {}).get("user_data") or {})
     calls = [(c["env"], c["name"], c["arguments"]) for c in gold.get("init_calls", [])]
     calls += [("assistant" if m.get("role") == "assistant" else "user", c.get("name"), c.get("arguments") or {})
               for m in gold.get("history", []) for c in m.get("tool_calls") or []]
@@ -1137,7 +1127,7 @@ class EcommerceEnv(Env):
             if g.get("db") is None:   # (the store itself is kept once, not per task)
                 self._gold_hash[task.id] = target, own
         db, user_db = own or (db, user_db)
-        state.info.update(world=g["world"], db=_copy(db), user_db=_copy(user_db), target=target, ended="",
+        state.info.update(world=g["world"], db=json_copy(db), user_db=json_copy(user_db), target=target, ended="",
                           revealed=False, confirmed=False, restated=0, writes=0, tool_calls=0, tool_errors=0,
                           user_error=0.0, calls=[])
         if self.user_url:  # the LLM user plays the customer; roles are swapped in its own transcript

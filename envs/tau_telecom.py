@@ -25,15 +25,11 @@ import datetime
 import hashlib
 import json
 
-from envs.base import ToolError
+from envs.base import ToolError, deep_update, json_copy
 
 TODAY = "2025-02-25"          # tau2's telecom clock is fixed
 ID_FIELDS = {"plans": "plan_id", "customers": "customer_id", "lines": "line_id", "bills": "bill_id",
              "devices": "device_id"}
-
-
-def _copy(x):
-    return json.loads(json.dumps(x))
 
 
 def load_db(tables: dict) -> dict:
@@ -254,19 +250,10 @@ SIGNAL_ICON = {"none": "No Signal", "poor": "Signal 1/4 Poor", "fair": "Signal 2
                "excellent": "Signal 4/4 Excellent"}
 
 
-def _merge(dst, src):
-    for k, v in src.items():
-        if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
-        else:
-            dst[k] = _copy(v)
-    return dst
-
-
 def load_user_db(data: dict) -> dict:
     """tau2's user_db.toml -> the phone and its surroundings, tau2's defaults filled in."""
-    return {"device": _merge(_copy(DEVICE), data.get("device") or {}),
-            "surroundings": _merge(_copy(SURROUNDINGS), data.get("surroundings") or {})}
+    return {"device": deep_update(json_copy(DEVICE), data.get("device") or {}),
+            "surroundings": deep_update(json_copy(SURROUNDINGS), data.get("surroundings") or {})}
 
 
 def _no_network(d):
@@ -450,7 +437,7 @@ def set_apn_settings(u, apn_settings):
     unknown = set(apn_settings) - set(APN_DEFAULT)
     if unknown or apn_settings.get("apn_name", "internet") not in ("internet", "broken"):
         raise ToolError(f"invalid APN settings: fields are {', '.join(APN_DEFAULT)}; apn_name 'internet' or 'broken'")
-    u["device"]["active_apn_settings"] = dict(_copy(APN_DEFAULT), **apn_settings)
+    u["device"]["active_apn_settings"] = dict(json_copy(APN_DEFAULT), **apn_settings)
     simulate_network_search(u)
     return _done(u, f"APN settings set to: {u['device']['active_apn_settings']['apn_name']}")
 
@@ -558,7 +545,7 @@ def reboot_device(u):
     d, lines = u["device"], []
     if d["active_apn_settings"].get("reset_at_reboot"):
         lines.append("Resetting APN settings...")
-        d["active_apn_settings"] = _copy(APN_DEFAULT)
+        d["active_apn_settings"] = json_copy(APN_DEFAULT)
     lines.append("Restarting network services...")
     d["network_connection_status"] = "searching"
     simulate_network_search(u)

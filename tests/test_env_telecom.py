@@ -2,6 +2,7 @@
 rules, the two sides kept in sync, whole episodes with an LLM user (a fake one) that works the phone with its own
 tools, and bad data stopping with one line. The fixture is written here, in tau2's file formats (not tau3's files)."""
 import json
+import tomllib
 
 import pytest
 from test_env_ecommerce import FakeUser, _play
@@ -168,7 +169,7 @@ def test_the_phone_follows_tau2s_rules():
 
 
 def test_sync_carries_the_records_to_the_phone_and_payments_back():
-    db = tel.load_db({t: v for t, v in __import__("tomllib").loads(DB_TOML).items()})
+    db = tel.load_db(tomllib.loads(DB_TOML))
     assert db["devices"]["D1"]["activation_date"] == "2025-01-20T14:30:00"   # TOML dates become ISO strings
     u = _phone()
     tel.sync(db, u)
