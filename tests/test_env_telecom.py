@@ -2,6 +2,7 @@
 rules, the two sides kept in sync, whole episodes with an LLM user (a fake one) that works the phone with its own
 tools, and bad data stopping with one line. The fixture is written here, in tau2's file formats (not tau3's files)."""
 import json
+import os
 import tomllib
 
 import pytest
@@ -56,6 +57,7 @@ total_due = 40.0
 status = "Paid"
 line_items = []
 """
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DB_TOML = '[device]\nbattery_level = 60\n\n[device.active_apn_settings]\napn_name = "internet"\n'
 ME = {"env_type": "user", "func_name": "set_user_info", "arguments": {"name": "Ann Lee", "phone_number": "555-0001"}}
 CL = {"customer_id": "C1", "line_id": "L1"}
@@ -256,3 +258,18 @@ def test_telecom_bad_data_stops_with_one_line(tmp_path, user):
     env = EcommerceEnv(data=write_telecom(tmp_path / "d", stranger), user_url=user.url, user_model="m")
     with pytest.raises(UsageError, match="initial state of abroad fails at set_user_info: .*555-9999 not found"):
         env.reset(env.tasks("base")[0])
+
+
+def test_the_gold_replay_check_of_a_telecom_directory(tmp_path):
+    """python -m envs.tau_telecom DIR SPLIT: gold actions replayed and scored, and no action. In this fixture two tasks
+    are solved by their gold actions (roaming switched on at both ends; the transfer); two have none (their gold is
+    the assertions alone), and nothing solves no task."""
+    import subprocess
+    import sys
+    assert tel.gold_check(write_telecom(tmp_path / "t"), "base") == (4, 2.0, 0.0)
+    r = subprocess.run([sys.executable, "-m", "envs.tau_telecom", str(tmp_path / "t"), "base"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "4 tasks: gold actions replayed solve 2, doing nothing solves 0"
+    r = subprocess.run([sys.executable, "-m", "envs.tau_telecom", str(tmp_path / "none")], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.startswith("error: e-commerce data directory not found")
