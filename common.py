@@ -3,8 +3,9 @@ seeding), FSDP2 (sharding, full state dicts, parameters gathered one at a time),
 checkpoints with their acl_meta.json; the resume state), loading a policy, and safetensors read tensor by tensor.
 The training step that every method runs is train_step.py; the rollout backends are envs/rollout.py.
 
-Under torchrun (WORLD_SIZE set) init_dist() starts NCCL on GPUs and gloo on CPUs; without it, it is a
-single process and every collective below is a no-op.
+Under torchrun (WORLD_SIZE set) init_dist() starts NCCL for CUDA tensors and gloo for CPU ones on GPUs, gloo on CPUs;
+on one GPU without torchrun a one-rank group (so bf16 mixed precision applies); otherwise it is a single process and
+every collective below is a no-op.
 """
 import argparse
 import contextlib
@@ -140,18 +141,37 @@ def sharded() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init_dist(timeout_minutes: float | None = None):
-    """-> torch.device for this rank. Starts the process group under torchrun (NCCL on GPU, gloo on CPU), with a
-    timeout for every collective of `timeout_minutes` (--dist-timeout; torch's default is 10 minutes for NCCL, which
-    an 8B evaluation on rank 0 outlasts while the other ranks wait at a barrier)."""
+def dist_backend(cuda: bool) -> str:
+    """The process group's backend for each device type. On GPUs NCCL serves CUDA tensors and gloo the CPU ones: the
+    scalars the collective helpers below reduce, object collectives, DCP's plans; NCCL alone refuses a CPU tensor
+    ("No backend type associated with device type cpu"), which stopped every GPU run at its first update. gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def init_dist(timeout_minutes: float | None = None, bf16: bool = False):
+    """-> torch.device for this rank. Starts the process group (dist_backend) under torchrun, with a timeout for every
+    collective of `timeout_minutes` (--dist-timeout; torch's default is 10 minutes for NCCL, which an 8B evaluation on
+    rank 0 outlasts while the other ranks wait at a barrier). On a GPU without torchrun (`python train_seq.py` on one
+    GPU) it starts a one-rank group itself, so that shard() applies FSDP2's bf16 MixedPrecisionPolicy exactly as under
+    torchrun (without a group the model would train in fp32 at a third of the speed, and silently). Prints one line:
+    the ranks, the device and the precision."""
+    import datetime
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        import datetime
-        kw = {"timeout": datetime.timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
-        dist.init_process_group("nccl" if cuda else "gloo", **kw)
+    kw = {"timeout": datetime.timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(dist_backend(cuda), **kw)
+        elif cuda:   # one GPU, no torchrun: a one-rank group through a file store (no port, no network)
+            import tempfile
+            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="acl-pg-"), "store"), 1)
+            dist.init_process_group(dist_backend(cuda), store=store, rank=0, world_size=1, **kw)
+    mp = "bf16 compute, fp32 master weights and gradient reduction (FSDP2 MixedPrecisionPolicy)" if bf16 and sharded() \
+        else "fp32" + (" (--bf16 needs a process group: torchrun, or a GPU)" if bf16 else "")
+    print0(f"{world_size()} rank(s) on {device.type}{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}: "
+           f"{mp}")
     return device
 
 

@@ -493,7 +493,7 @@ def main(argv=None):
         usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout)
+    device = init_dist(a.dist_timeout, bf16=a.bf16)
     t0 = time.time()
     print0(f"mle: experts {', '.join(a.domains)} on the frozen backbone {a.backbone} -> {a.out}, {world_size()} "
            f"process(es)\nresolved config: {vars(a)}")

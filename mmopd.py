@@ -328,7 +328,7 @@ def main(argv=None):
         return
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout)
+    device = init_dist(a.dist_timeout, bf16=a.bf16)
     t0 = time.time()
     print0(f"mmopd: student {a.student}, teachers {a.teacher_paths} -> {a.out}, {world_size()} process(es)\n"
            f"resolved config: {vars(a)}")

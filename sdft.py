@@ -428,7 +428,7 @@ def main(argv=None):
         usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout)
+    device = init_dist(a.dist_timeout, bf16=a.bf16)
     t0 = time.time()
     print0(f"sdft: {', '.join(a.domains)} -> {a.out}, {world_size()} process(es)\nresolved config: {vars(a)}")
     if rank() == 0:

@@ -534,7 +534,7 @@ def main(argv=None):
         usage_exit(e)
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout)
+    device = init_dist(a.dist_timeout, bf16=a.bf16)
     print0(f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from {a.init}, "
            f"{world_size()} process(es)\nresolved config: {vars(a)}")
     if rank() == 0:

@@ -90,7 +90,7 @@ def main(argv=None):
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512))
         a.prompts, a.group, a.prompt_len, a.completion_len, a.micro_batch, a.steps = 2, 2, 16, 24, 2, 1
         a.gen_batch, a.gen_prompt_len, a.gen_tokens = 4, 8, 8
-    device = init_dist()
+    device = init_dist(bf16=torch.cuda.is_available())   # one GPU without torchrun: a one-rank group, bf16 as under it
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     attn = resolve_attn("auto")

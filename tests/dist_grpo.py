@@ -6,7 +6,9 @@ the clip fraction and the updated full state dict to argv[1]. argv[4] "uneven": 
 rank 1 one (train_on and episode_logprobs must pad the smaller rank's passes), and the episodes' log-probs
 (train_step.episode_logprobs, gathered) are written too. argv[4] "lora": the model is mle.py's expert (the frozen
 micro Qwen3 with a LoRA adapter whose B is made non-zero, AdamW on the adapter only, the k3 KL to the adapter-disabled
-model through mle.AdapterOff), sharded the same way."""
+model through mle.AdapterOff), sharded the same way. argv[5] "nccl-like": the process group is the one init_dist starts
+on GPUs with NCCL's part played by gloo (nccl_like), so it refuses a CPU tensor wherever NCCL would; argv[5] "nccl":
+the bare NCCL group of before (every run on GPUs stopped at its first update), which must fail here too."""
 import argparse
 import os
 import sys
@@ -50,7 +52,19 @@ def one_and_two_ranks(tmp_path, micro_one: str, micro_two: str, *mode) -> tuple:
     return torch.load(one), torch.load(two)
 
 
+def nccl_like(backend: str) -> str:
+    """A process-group backend string's device map with gloo in NCCL's place. NCCL serves CUDA tensors only, so a
+    bare "nccl" becomes "cuda:gloo" (a CPU tensor is refused: "No backend type associated with device type cpu") and
+    "cpu:gloo,cuda:nccl" becomes "cpu:gloo,cuda:gloo"."""
+    pairs = [p.split(":") if ":" in p else ("cuda", p) if p == "nccl" else ("cpu", p) for p in backend.split(",")]
+    return ",".join(f"{d}:{'gloo' if b == 'nccl' else b}" for d, b in pairs)
+
+
 def main():
+    if len(sys.argv) > 5:   # "nccl-like": the group init_dist starts on GPUs; "nccl": the bare NCCL group it started before
+        import common
+        on_gpus = common.dist_backend(True) if sys.argv[5] == "nccl-like" else sys.argv[5]
+        common.dist_backend = lambda cuda: nccl_like(on_gpus)
     init_dist()
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import common
 import scale
 import train_seq
 import train_step
@@ -158,13 +159,23 @@ def test_nonfinite_gradient_stops_before_the_weights_change():
 
 def test_episode_logprobs_with_uneven_ranks_under_torchrun(tmp_path):
     """Two CPU ranks holding 7 and 1 episodes: episode_logprobs and train_on pad the passes of the smaller rank
-    (it hung before), and the log-probs and the update equal one process's on all 8."""
-    a, b = dist_grpo.one_and_two_ranks(tmp_path, "2", "2", "token", "uneven")
+    (it hung before), and the log-probs and the update equal one process's on all 8. The group is the one init_dist
+    starts on GPUs, with gloo playing NCCL's part: it refuses a CPU tensor wherever NCCL would."""
+    a, b = dist_grpo.one_and_two_ranks(tmp_path, "2", "2", "token", "uneven", "nccl-like")
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     for x, y in zip(a["logprobs"], b["logprobs"]):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     for k in a["state"]:
         torch.testing.assert_close(b["state"][k], a["state"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_nccl_like_group_refuses_cpu_tensors_as_nccl_does(tmp_path):
+    """The emulation above is faithful: the bare NCCL group that init_dist started before (every GPU run died at its
+    first update, in train_on's all_reduce_max of a CPU scalar) fails the same way here."""
+    assert dist_grpo.nccl_like("nccl") == "cuda:gloo"
+    assert dist_grpo.nccl_like(common.dist_backend(True)) == "cpu:gloo,cuda:gloo"
+    with pytest.raises(AssertionError, match="No backend type associated with device type cpu"):
+        dist_grpo.one_and_two_ranks(tmp_path, "2", "2", "token", "uneven", "nccl")
 
 
 def test_the_prompts_of_a_step_do_not_depend_on_the_world_size():
