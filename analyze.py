@@ -126,8 +126,30 @@ def distance(G: np.ndarray, i: int | None, j: int | None) -> float:
     return float(np.sqrt(max(gii + gjj - 2 * gij, 0.0)))
 
 
+def lr_steps(ckpt: str) -> float | None:
+    """The sum of the learning rate over the optimizer updates that made `ckpt` from its parent, read from its
+    metrics (<ckpt>.metrics.jsonl: an SFT cold start logs a row per update, a GRPO stage a row per step, with an update
+    when it kept a group, --minibatches updates then) and its recipe's learning rate (constant in both). With AdamW
+    every update moves each weight by about lr whatever the gradient's scale, so |move| / lr_steps is near 1 for
+    updates that all point one way and near 1 / sqrt(updates) for directions as random as a walk: the directional
+    consistency finding 9 compares. None when the metrics or the learning rate are missing."""
+    rec = read_meta(ckpt).get("recipe") or {}
+    path = os.path.abspath(ckpt) + ".metrics.jsonl"
+    if not os.path.isfile(path):
+        return None
+    import json
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if ckpt.rstrip(os.sep).endswith("-rft"):
+        lr, updates = rec.get("rft_lr"), sum("nll" in r for r in rows)
+    else:
+        lr, updates = rec.get("lr"), sum(r.get("kept_groups", 0) > 0 for r in rows) * rec.get("minibatches", 1)
+    return lr * updates if lr else None
+
+
 def stage_moves(labels: list, paths: list, G: np.ndarray, base: str) -> list:
-    """Each checkpoint's move from its parent (acl_meta.json), split into RFT and RL where <dir>-rft exists."""
+    """Each checkpoint's move from its parent (acl_meta.json), split into RFT and RL where <dir>-rft exists, with each
+    part's lr_steps."""
     index = {os.path.abspath(p): i for i, p in enumerate(paths)}
     out = []
     for i, p in enumerate(paths):
@@ -142,6 +164,7 @@ def stage_moves(labels: list, paths: list, G: np.ndarray, base: str) -> list:
         rft = index.get(os.path.abspath(p) + "-rft")
         if rft is not None:
             row["rft"], row["rl"] = distance(G, rft, j), distance(G, i, rft)
+            row["rft_lr_steps"], row["rl_lr_steps"] = lr_steps(paths[rft]), lr_steps(p)
         out.append(row)
     return out
 

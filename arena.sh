@@ -173,6 +173,25 @@ eval_consolidators() {
         "$RUNS/mle" --router learned
 }
 lanes eval_runs eval_consolidators
+# 8b. SDFT_GRID=1 (opt-in, tiny): the study's SDFT ablation axis on this run's pool: mix (balanced, proportional) x
+#    order (interleaved, staged, graded) from the base, the Seq-Final student, and no near-dedup (--dedup-threshold
+#    1.0: a pool of its own, collected again from the same oracles), each evaluated as step 8 -> runs/tiny/sdft-ablation/
+#    <cell>, eval/sdft-ablation-<cell>.json; the report tables them (~70 s a student and ~100 s its evaluation)
+if [ "${SDFT_GRID:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
+    GRID=()
+    for m in balanced proportional; do for o in interleaved staged graded; do
+        [ -f "$RUNS/sdft-ablation/$m-$o/acl_meta.json" ] || t "sdft-$m-$o" python sdft.py --preset tiny $Q_SDFT \
+            --pool "$RUNS/sdft-pool" --mix $m --order $o --out "$RUNS/sdft-ablation/$m-$o"
+        GRID+=("$RUNS/sdft-ablation/$m-$o")
+    done; done
+    [ -f "$RUNS/sdft-ablation/seqfinal/acl_meta.json" ] || t sdft-seqfinal python sdft.py --preset tiny $Q_SDFT \
+        --pool "$RUNS/sdft-pool" --student "$RUNS/seq/4-if" --out "$RUNS/sdft-ablation/seqfinal"
+    [ -f "$RUNS/sdft-ablation/nodedup/acl_meta.json" ] || t sdft-nodedup python sdft.py --preset tiny $Q_SDFT \
+        --runs "$RUNS/sdft-ablation/nodedup-pool" --dedup-threshold 1.0 --out "$RUNS/sdft-ablation/nodedup" \
+        --oracles "math=$RUNS/oracle/math,search=$RUNS/oracle/search,ecommerce=$RUNS/oracle/ecommerce,if=$RUNS/oracle/if"
+    t evaluate-sdft-grid python evaluate.py --resume --suite tiny --backend hf --n "$N_EVAL" --out-dir "$RUNS/eval" \
+        --ckpt "${GRID[@]}" "$RUNS/sdft-ablation/seqfinal" "$RUNS/sdft-ablation/nodedup"
+fi
 # 9. SEEDS > 1: the whole study (steps 2-8) again with training seeds 1 .. SEEDS-1 from the same base, each in
 #    $RUNS-seed<s> with its own report; each is one step here (~23 min a seed, tiny), and the report below gives
 #    every number as mean ± std over the seeds
@@ -193,6 +212,6 @@ awk -v now="$(date +%s)" '/^# arena.sh started/ {n = 0; delete rows; head = $0; 
     END {print head; for (i = 1; i <= n; i++) {split(rows[i], f, " "); printf "%-24s %6d s\n", f[1], f[2]; sum += f[2]}
     printf "%-24s %6d s (%.1f min)\n", "sum of the steps", sum, sum / 60
     printf "%-24s %6d s (%.1f min)\n", "total (wall)", now - start, (now - start) / 60}' "$TIMES" | tee "$RUNS/arena_times.md"
-# 10. the report: the study's table, the normalised table, the accuracy matrices, the plots, the nine findings
+# 10. the report: the study's table, the normalised table, the accuracy matrices, the plots, the ten findings
 #    checked, and the time table above -> runs/tiny/report.md (seconds)
 python report.py --runs "$RUNS" ${SEED_RUNS[@]+--seed-runs "${SEED_RUNS[@]}"}

@@ -7,24 +7,28 @@
 What it reads: evaluate.py's records (runs/<arena>/eval/<name>.json, 300 `test` tasks per domain), analyze.py's
 analysis.json, the MMOPD checkpoint's history, arena.sh's time table. What it writes: the study's table (in-domain and
 OOD score of every checkpoint, ± SE over tasks, the best of each column in bold), the same normalised by each domain's
-best single checkpoint beside the study's normalised values, the accuracy matrices (sampled and gold), the plots, and
-the study's nine findings, each checked by a criterion fixed in this file before any run (FINDINGS) and marked holds /
-does not hold / not measurable here, with the numbers that decide it. "Significant" means beyond 2 standard errors of a
-difference paired over the same tasks (evaluate.paired_difference).
+best single checkpoint beside the study's normalised values, the accuracy matrices (sampled and gold), the plots, the
+SDFT ablation grid when it was run, and the study's ten findings, each checked by a criterion fixed in this file
+before the runs it judges (FINDINGS: the claim, the study's words it rests on, a function whose docstring is the
+criterion) with three verdicts: holds, contradicted, not shown (and "not measurable here" when an input is missing),
+the numbers that decide it and the minimum detectable effect. "Significant" means beyond Z = 2 standard errors of a
+difference paired over the same tasks (Scores.diff). tests/data/study_table.json holds the study's own numbers: every
+finding they state holds on them (tests/test_report.py).
 
 The balance criterion (finding 6): for checkpoint c and domain d, r(c, d) = c's mean score on d's `test` tasks / the d
 oracle's on the same tasks; B(c) = min over d of r(c, d); its spread is a paired bootstrap over tasks (every resample
-draws each domain's tasks once, for all checkpoints and the oracle alike). The claim holds when the claimed checkpoint
-(MLE) has the highest B and the 2.5% quantile of its bootstrap difference to the runner-up is > 0; it does not hold when
-another has the highest B; first without that margin is "not shown".
+draws each domain's tasks once, for all checkpoints and the oracle alike). The candidates are Seq-Final, SDFT, MMOPD,
+MLE and the three merges.
 """
 import argparse
+import math
 import os
 import platform
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from common import Parser, UsageError, code_revision, read_meta, usage_exit, write_file_atomically
@@ -49,20 +53,22 @@ Z = 2.0   # "significant": a paired difference beyond Z standard errors
 
 # ----------------------------------------------------------------------------- reading the run
 
-def load_records(eval_dir: str) -> dict:
-    """{record name: evaluate.py record} for every ROWS record present in eval_dir."""
+def load_records(eval_dir: str, names=None) -> dict:
+    """{record name: evaluate.py record} for every ROWS record present in eval_dir; with `names`, exactly those (a
+    missing one is an error)."""
     from evaluate import load_results
     out = {}
-    for name in ROWS.values():
+    for name in names or ROWS.values():
         path = os.path.join(eval_dir, f"{name}.json")
         if os.path.isfile(path):
             out[name] = load_results(path)
+        elif names:
+            raise UsageError(f"no evaluation {path}: run evaluate.py on that checkpoint first")
     return out
 
 
 def cell(rec, domain, split="test"):
     """(mean, SE over tasks, {task id: score}) of `<domain>/<split>` in a record; (None, None, None) if absent."""
-    from evaluate import _se
     b = ((rec or {}).get("benchmarks") or {}).get(f"{domain}/{split}")
     if not b:
         return None, None, None
@@ -70,22 +76,8 @@ def cell(rec, domain, split="test"):
     return b["mean"], _se(list(per.values())) if per else None, per
 
 
-def diff(recs, a, b, domain):
-    """b - a on `<domain>/test`, paired over tasks: (difference, SE) or (None, None) when either is missing."""
-    from evaluate import paired_difference
-    x, y = cell(recs.get(a), domain), cell(recs.get(b), domain)
-    return paired_difference((x[0], x[2]), (y[0], y[2]))
-
-
 def fmt(x, se=None, nd=3):
     return "–" if x is None else f"{x:.{nd}f}" + ("" if se is None else f" ± {se:.{nd}f}")
-
-
-def sig(d, se, sign=+1):
-    """True when the paired difference d is beyond Z SEs in the direction `sign`; None when it cannot be told."""
-    if d is None or se is None:
-        return None
-    return sign * d > Z * se
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -166,234 +158,424 @@ def matrices(recs, domains=DOMAINS):
             accuracy_matrix(stages, recs.get("base"), list(domains), metric="gold"))
 
 
+# ----------------------------------------------------------------------------- the scores every criterion reads
+
+class Scores:
+    """Every checkpoint's score on every column (`<domain>/<split>`): per-task scores from evaluate.py's records, so
+    that a difference between two checkpoints is paired over the same tasks; or a mean and its standard error, for a
+    table of published numbers (the study's own, tests/data/study_table.json), whose differences are unpaired (the SE
+    the root-sum-square of the two)."""
+
+    def __init__(self, cells: dict):
+        self.cells = cells   # {checkpoint: {column: {task id: score} or (mean, se)}}
+
+    @classmethod
+    def from_records(cls, recs: dict):
+        cells = {}
+        for name, rec in recs.items():
+            for col, b in ((rec or {}).get("benchmarks") or {}).items():
+                if b.get("per_task") and b.get("task_ids"):
+                    cells.setdefault(name, {})[col] = dict(zip(b["task_ids"], b["per_task"]))
+                elif b.get("mean") is not None:
+                    cells.setdefault(name, {})[col] = (b["mean"], None)
+        return cls(cells)
+
+    @classmethod
+    def from_table(cls, table: dict):
+        """{"runs": n, "std": s, "checkpoints": {name: {column: mean}}}: each mean's SE is s / sqrt(n)."""
+        se = table["std"] / math.sqrt(table["runs"])
+        return cls({c: {col: (m, se) for col, m in v.items()} for c, v in table["checkpoints"].items()})
+
+    def _get(self, c, col):
+        return self.cells.get(c, {}).get(col)
+
+    def mean(self, c, col):
+        x = self._get(c, col)
+        return None if x is None else statistics.mean(x.values()) if isinstance(x, dict) else x[0]
+
+    def se(self, c, col):
+        x = self._get(c, col)
+        return None if x is None else _se(list(x.values())) if isinstance(x, dict) else x[1]
+
+    def diff(self, a, b, col):
+        """b − a on `col`: (difference, SE), paired over the tasks when both have the same ones; (None, None) when
+        either is missing."""
+        x, y = self._get(a, col), self._get(b, col)
+        if x is None or y is None:
+            return None, None
+        if isinstance(x, dict) and isinstance(y, dict) and set(x) == set(y):
+            d = [y[t] - x[t] for t in x]
+            return statistics.mean(d), _se(d)
+        sa, sb = self.se(a, col), self.se(b, col)
+        return self.mean(b, col) - self.mean(a, col), None if sa is None or sb is None else math.hypot(sa, sb)
+
+
+def _se(values):
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
 # ----------------------------------------------------------------------------- the findings, criteria fixed here
+#
+# Three verdicts, for every finding in every seed: "holds" (the claim's difference is significant: beyond Z standard
+# errors), "contradicted" (the opposite difference is significant), "not shown" (neither: the MDE printed beside it,
+# Z times the SE of the deciding difference, says how large an effect this precision could have seen); and "not
+# measurable here" when an input is missing (no such checkpoint, analysis or score). A finding with several parts is
+# contradicted when any part is, holds when every claimed part holds. A guard (a part that says "keeps" or "does not
+# carry consistently") can only contradict: the absence of a difference is never shown by failing to find one.
 
-def verdict(ok) -> str:
-    """True, False, None -> holds, does not hold, not measurable here; a finding's own word (finding 6's "not
-    shown": first, but not by a significant margin) is kept as it is."""
-    return ok if isinstance(ok, str) else {True: "holds", False: "does not hold", None: "not measurable here"}[ok]
-
-
-def f1_forgetting(recs, m):
-    """1. Seq-Final sits below the earlier peaks of math and search. Criterion: for math and for search, the forgetting
-    (the highest score from its stage on, minus Seq-Final's, paired over tasks) is significant."""
-    if m is None:
-        return None, "no sequential run"
-    parts, oks = [], []
-    for d in ("math", "search"):
-        f, se = m["forgetting"].get(d), m["forgetting_se"].get(d)
-        oks.append(sig(f, se))
-        parts.append(f"{d} forgetting {fmt(f, se)}")
-    return (None if None in oks else all(oks)), "; ".join(parts)
+HOLDS, CONTRADICTED, NOT_SHOWN, NOT_MEASURABLE = "holds", "contradicted", "not shown", "not measurable here"
+FINAL = "seq-4-if"
+SEQ = ("seq-1-math", "seq-2-search", "seq-3-ecommerce", "seq-4-if")
+OWN_STAGE = dict(zip(DOMAINS, SEQ))      # the stage that learned each domain: its checkpoint is the domain's peak
+BALANCE_CANDIDATES = ("seq-4-if", "sdft", "mmopd", "mle", "merge-uniform", "merge-grid", "merge-balanced")
+ALIGNED = 0.99   # finding 10: a cosine at or above this is alignment up to rounding
 
 
-def f2_non_monotonic(recs, m):
-    """2. Sequential training is non-monotonic: a domain falls after a later stage and partly recovers. Criterion: some
-    domain learned before the last stage has a significant fall from one row to the next after its own stage, followed
-    by a significant rise at a later row."""
-    if m is None:
-        return None, "no sequential run"
-    rows, found, parts = m["rows"], [], []
-    for d, row in m["learned"].items():
-        t = rows.index(row)
-        if t == len(rows) - 1:
+def signed(d, se, sign=+1) -> str:
+    """The verdict on the claim "sign × d > 0" from a difference and its SE."""
+    if d is None or se is None:
+        return NOT_MEASURABLE
+    return HOLDS if sign * d > Z * se else CONTRADICTED if sign * d < -Z * se else NOT_SHOWN
+
+
+def above(p, se, t) -> str:
+    """The verdict on the claim "p ≥ t" for a measured proportion p with standard error se."""
+    if p is None or se is None:
+        return NOT_MEASURABLE
+    return HOLDS if p - Z * se >= t else CONTRADICTED if p + Z * se < t else NOT_SHOWN
+
+
+def guard(v: str) -> str:
+    """A part that can only contradict: its "not shown" and "holds" both mean "not contradicted"."""
+    return v if v in (CONTRADICTED, NOT_MEASURABLE) else HOLDS
+
+
+def decide(claims, guards=()) -> str:
+    parts = list(claims) + list(guards)
+    if CONTRADICTED in parts:
+        return CONTRADICTED
+    if NOT_MEASURABLE in parts or not claims:
+        return NOT_MEASURABLE
+    return HOLDS if all(c == HOLDS for c in claims) else NOT_SHOWN
+
+
+def mde(ses):
+    """The minimum detectable effect of a finding: Z × the largest SE among its deciding differences."""
+    ses = [s for s in ses if s is not None]
+    return Z * max(ses) if ses else None
+
+
+def f1_forgetting(S, analysis):
+    """Criterion: for math, search and e-commerce, the stage that learned the domain scores significantly above
+    Seq-Final on it (the stage's own checkpoint is the peak, not the best row after it, so that the winner's curse
+    does not decide). Contradicted when Seq-Final is significantly above that stage on any of the three."""
+    vs, parts, ses = [], [], []
+    for d in ("math", "search", "ecommerce"):
+        x, se = S.diff(FINAL, OWN_STAGE[d], f"{d}/test")
+        vs.append(signed(x, se))
+        ses.append(se)
+        parts.append(f"{d}: {OWN_STAGE[d]} − Seq-Final {fmt(x, se)}")
+    return decide(vs), "; ".join(parts), mde(ses)
+
+
+def f2_non_monotonic(S, analysis):
+    """Criterion: some domain learned before the last stage falls significantly from one stage to the next after its
+    own stage, and rises significantly at a later one. Contradicted when every such domain's path after its stage is
+    monotone with every step significant."""
+    found, monotone, parts, ses, missing = [], [], [], [], False
+    for t, d in enumerate(DOMAINS[:-1]):
+        steps = [(SEQ[r], *S.diff(SEQ[r - 1], SEQ[r], f"{d}/test")) for r in range(t + 1, len(SEQ))]
+        if any(se is None for _, _, se in steps):
+            missing = True
             continue
-        steps = [(rows[r], diff(recs, rows[r - 1], rows[r], d)) for r in range(t + 1, len(rows))]
-        falls = [i for i, (_, (x, se)) in enumerate(steps) if sig(x, se, -1)]
-        rises = [i for i, (_, (x, se)) in enumerate(steps) if sig(x, se, +1)]
-        parts.append(f"{d}: " + ", ".join(f"{r} {fmt(x, se)}" for r, (x, se) in steps))
-        if falls and any(i > falls[0] for i in rises):
+        v = [signed(x, se) for _, x, se in steps]
+        ses += [se for _, _, se in steps]
+        falls = [i for i, s in enumerate(v) if s == CONTRADICTED]
+        if falls and any(s == HOLDS and i > falls[0] for i, s in enumerate(v)):
             found.append(d)
-    return bool(found), "; ".join(parts) + (f" (fall then recovery: {', '.join(found)})" if found else "")
+        monotone.append(len(set(v)) == 1 and v[0] != NOT_SHOWN)
+        parts.append(f"{d}: " + ", ".join(f"{r} {fmt(x, se)}" for r, x, se in steps))
+    verdict = HOLDS if found else NOT_MEASURABLE if missing else CONTRADICTED if all(monotone) else NOT_SHOWN
+    return verdict, "; ".join(parts) + (f" (fall then rise: {', '.join(found)})" if found else ""), mde(ses)
 
 
-def f3_recovery(recs, m):
-    """3. MMOPD and SDFT recover most of the forgotten math and search. Criterion: each of them scores at least 0.8 of
-    the domain's peak in the sequential run on math and on search; not measurable when finding 1 finds no significant
-    forgetting in either (there is nothing to recover)."""
-    if m is None:
-        return None, "no sequential run"
-    parts, oks = [], []
-    for c in ("mmopd", "sdft"):
-        for d in ("math", "search"):
-            j = m["domains"].index(d)
-            peak = max((x[j] for x in m["matrix"][m["rows"].index(m["learned"][d]):] if x[j] is not None), default=None)
-            s = cell(recs.get(c), d)[0]
-            r = s / peak if s is not None and peak else None
-            oks.append(None if r is None else r >= 0.8)
-            parts.append(f"{c} {d} {fmt(s)} / peak {fmt(peak)} = {fmt(r, nd=2)}")
-    forgot = [sig(m["forgetting"].get(d), m["forgetting_se"].get(d)) for d in ("math", "search")]
-    if not any(forgot):
-        return None, "; ".join(parts) + " (no significant forgetting of math or search to recover)"
-    return (None if None in oks else all(oks)), "; ".join(parts)
+def f3_recovery(S, analysis):
+    """Criterion: for MMOPD and SDFT, on math and on search, the consolidator is significantly above Seq-Final and
+    recovers at least half of what was forgotten: (c − Seq-Final) / (own stage − Seq-Final) ≥ 0.5, the forgetting
+    itself significant (without it there is nothing to recover: not shown). Contradicted when either consolidator is
+    significantly below Seq-Final on math or search."""
+    vs, parts, ses = [], [], []
+    for d in ("math", "search"):
+        lost, lse = S.diff(FINAL, OWN_STAGE[d], f"{d}/test")
+        forgot = signed(lost, lse)
+        for c in ("mmopd", "sdft"):
+            rec, rse = S.diff(FINAL, c, f"{d}/test")
+            s = signed(rec, rse)
+            frac = rec / lost if rec is not None and lost else None
+            vs.append(s if s in (CONTRADICTED, NOT_MEASURABLE) else NOT_MEASURABLE if forgot == NOT_MEASURABLE else
+                      NOT_SHOWN if forgot != HOLDS else HOLDS if s == HOLDS and frac >= 0.5 else NOT_SHOWN)
+            ses.append(rse)
+            parts.append(f"{c} {d}: recovered {fmt(rec, rse)} of {fmt(lost, lse)} forgotten ({fmt(frac, nd=2)})")
+    return decide(vs), "; ".join(parts), mde(ses)
 
 
-def f4_sdft_cost(recs, m):
-    """4. SDFT pays on the skills learned last. Criterion: SDFT minus Seq-Final is significantly negative on IF and on
-    e-commerce."""
-    parts, oks = [], []
+def f4_sdft_cost(S, analysis):
+    """Criterion: SDFT − Seq-Final is significantly negative on IF and on e-commerce. Contradicted when it is
+    significantly positive on either."""
+    vs, parts, ses = [], [], []
     for d in ("if", "ecommerce"):
-        x, se = diff(recs, "seq-4-if", "sdft", d)
-        oks.append(sig(x, se, -1))
+        x, se = S.diff(FINAL, "sdft", f"{d}/test")
+        vs.append(signed(x, se, -1))
+        ses.append(se)
         parts.append(f"SDFT − Seq-Final on {d} {fmt(x, se)}")
-    return (None if None in oks else all(oks)), "; ".join(parts)
+    return decide(vs), "; ".join(parts), mde(ses)
 
 
-def f5_uniform_merge(recs, m):
-    """5. Uniform merging keeps early skills and loses the last agentic one; it is the weakest consolidator on agentic
-    tasks. Criterion, all three: MM-uniform scores at least 0.8 of Seq-Math on math and of Seq-Search on search; it is
-    significantly below Seq-Ecom on e-commerce; its mean of search and e-commerce is the lowest of the consolidators."""
-    if "merge-uniform" not in recs:
-        return None, "no uniform merge"
-    keep = [(d, cell(recs["merge-uniform"], d)[0], cell(recs.get(s), d)[0])
-            for d, s in (("math", "seq-1-math"), ("search", "seq-2-search"))]
-    kept = [None if u is None or not s else u / s >= 0.8 for _, u, s in keep]
-    lost = diff(recs, "seq-3-ecommerce", "merge-uniform", "ecommerce")
-    agentic = {c: (cell(recs[c], "search")[0] + cell(recs[c], "ecommerce")[0]) / 2 for c in CONSOLIDATORS
-               if c in recs and None not in (cell(recs[c], "search")[0], cell(recs[c], "ecommerce")[0])}
-    weakest = min(agentic, key=agentic.get) if agentic else None
-    oks = kept + [sig(*lost, sign=-1), None if weakest is None else weakest == "merge-uniform"]
-    text = "; ".join(f"{d} {fmt(u)} vs its stage {fmt(s)}" for d, u, s in keep) + \
-        f"; e-commerce − Seq-Ecom {fmt(*lost)}; agentic mean: " + \
-        ", ".join(f"{c} {fmt(v)}" for c, v in sorted(agentic.items(), key=lambda kv: kv[1]))
-    return (None if None in oks else all(oks)), text
+def f5_uniform_merge(S, analysis):
+    """Criterion, three parts: (claim) MM-uniform is significantly below Seq-Ecom on e-commerce; (claim) its mean of
+    search and e-commerce (in domain) is significantly below every other consolidator's; (guard) it keeps the early
+    skill out of domain: on math `ood` it is not significantly below the best checkpoint of that column."""
+    u = "merge-uniform"
+    if u not in S.cells:
+        return NOT_MEASURABLE, "no uniform merge", None
+    lost, lse = S.diff("seq-3-ecommerce", u, "ecommerce/test")
+    claims, ses = [signed(lost, lse, -1)], [lse]
+    text = [f"e-commerce: MM-uniform − Seq-Ecom {fmt(lost, lse)}"]
+    others = [c for c in CONSOLIDATORS if c != u and None not in (S.mean(c, "search/test"), S.mean(c, "ecommerce/test"))]
+    if not others:
+        claims.append(NOT_MEASURABLE)
+    for c in others:
+        (xs, ss), (xe, se_) = S.diff(u, c, "search/test"), S.diff(u, c, "ecommerce/test")
+        d, se = (xs + xe) / 2, None if ss is None or se_ is None else math.hypot(ss, se_) / 2
+        claims.append(signed(d, se))
+        ses.append(se)
+        text.append(f"{c} − MM-uniform on the agentic mean {fmt(d, se)}")
+    ood = {c: S.mean(c, "math/ood") for c in S.cells if c != u and S.mean(c, "math/ood") is not None}
+    if S.mean(u, "math/ood") is None or not ood:
+        keep = NOT_MEASURABLE
+        text.append("math ood: not measured")
+    else:
+        best = max(ood, key=ood.get)
+        x, se = S.diff(best, u, "math/ood")
+        keep = guard(signed(x, se))
+        text.append(f"math ood: MM-uniform {fmt(S.mean(u, 'math/ood'))} − the column's best ({best}) {fmt(x, se)}")
+    return decide(claims, [keep]), "; ".join(text), mde(ses)
 
 
-def f6_balance(recs, eval_dir, names=("seq-4-if", "sdft", "mmopd", "mle"), claim="mle"):
-    """6. MLE has the most balanced profile (the module docstring's criterion)."""
-    if not all(n in recs for n in names) or not all(f"oracle-{d}" in recs for d in DOMAINS):
-        return None, "needs Seq-Final, SDFT, MMOPD, MLE and the four oracles"
-    zero = [d for d in DOMAINS if not cell(recs[f"oracle-{d}"], d)[0]]
-    if zero:
-        return None, f"the {', '.join(zero)} oracle scores 0 on its own tasks: no ratio to it"
-    res = balance(eval_dir, list(names))
-    v = balance_verdict(res, list(names), claim)[0]
-    ok = {"holds": True, "does not hold": False}.get(v, "not shown")
-    return ok, ", ".join(
-        f"{n} {res[n]['min']:.2f} ± {res[n]['boot'].std().item():.2f}" for n in names)
+def f6_balance(S, analysis, names=BALANCE_CANDIDATES, claim="mle", boots=2000):
+    """Criterion (the balance B of the module docstring, the merges among the candidates): MLE has the highest B and the
+    2.5% quantile of its bootstrap difference to the runner-up is > 0. Contradicted when another candidate's B is
+    above MLE's with the 2.5% quantile of that difference > 0. Candidates without every domain's score are left out."""
+    oracles = {d: f"oracle-{d}" for d in DOMAINS}
+    missing = [o for d, o in oracles.items() if not S.mean(o, f"{d}/test")]
+    if missing:
+        return NOT_MEASURABLE, f"needs each oracle's nonzero score on its own domain (missing or 0: {', '.join(missing)})", None
+    names = [n for n in names if all(S.mean(n, f"{d}/test") is not None for d in DOMAINS)]
+    if claim not in names or len(names) < 2:
+        return NOT_MEASURABLE, f"needs {claim} and another candidate scored on every domain", None
+    res = balance(S, names, boots=boots)
+    v, other, lo, hi, ranked = balance_verdict(res, names, claim)
+    se = (res[claim]["boot"] - res[other]["boot"]).std().item()
+    return v, ", ".join(f"{n} {res[n]['min']:.2f} ± {res[n]['boot'].std().item():.2f}" for n in ranked) + \
+        f"; {claim} − {other} 95% interval [{lo:+.2f}, {hi:+.2f}]", Z * se
 
 
-def f7_oracles(recs, m):
-    """7. Oracles specialise and do not transfer. Criterion: every oracle is significantly above the base on its own
-    domain, and no oracle is significantly above the base on another domain."""
-    own, transfer, parts = [], [], []
+def f7_oracles(S, analysis):
+    """Criterion: (claim) every oracle is significantly above the base on its own domain; (guard) the gains do not
+    carry consistently: contradicted when every oracle is significantly above the base on every other domain. A
+    single oracle's transfer to another domain (Seq-Math raises NQ in the study) is allowed."""
+    own, gains, parts, ses = [], [], [], []
     for d in DOMAINS:
         o = f"oracle-{d}"
-        if o not in recs or "base" not in recs:
-            return None, "needs the base and the four oracles"
-        x, se = diff(recs, "base", o, d)
-        own.append(sig(x, se))
-        gains = {e: diff(recs, "base", o, e) for e in DOMAINS if e != d}
-        transfer += [e for e, (y, s) in gains.items() if sig(y, s)]
-        parts.append(f"{o}: own {fmt(x, se)}, others " + ", ".join(f"{e} {fmt(*g)}" for e, g in gains.items()))
-    ok = None if None in own else all(own) and not transfer
-    return ok, "; ".join(parts) + (f" (significant transfer to: {', '.join(transfer)})" if transfer else "")
+        x, se = S.diff("base", o, f"{d}/test")
+        own.append(signed(x, se))
+        ses.append(se)
+        g = {e: S.diff("base", o, f"{e}/test") for e in DOMAINS if e != d}
+        gains += [signed(*v) for v in g.values()]
+        parts.append(f"{o}: own {fmt(x, se)}, others " + ", ".join(f"{e} {fmt(*v)}" for e, v in g.items()))
+    transfer = NOT_MEASURABLE if NOT_MEASURABLE in gains else CONTRADICTED if all(v == HOLDS for v in gains) else HOLDS
+    n_sig = sum(v == HOLDS for v in gains)
+    return decide(own, [transfer]), "; ".join(parts) + f" ({n_sig} of {len(gains)} transfers significant)", mde(ses)
 
 
-def f8_tokens(analysis):
-    """8. Low-entropy tokens stay >= 90% stable across stages; the change is carried by high-entropy tokens. Criterion:
-    for every later checkpoint, at least 0.90 of the low-entropy positions keep the reference's top-1, and the
-    high-entropy positions' share of the top-1 flips exceeds their share of positions (analyze.py's token report)."""
-    tok = (analysis or {}).get("token", {}).get("checkpoints")
+def f8_tokens(S, analysis):
+    """Criterion, for every later sequential stage in analyze.py's token report (reference seq-1-math): at least 0.90
+    of the low-entropy positions keep the reference's top-1, and at least 0.8 of the top-1 flips are at high-entropy
+    positions ("almost all"), each threshold cleared beyond Z binomial SEs (the positions of one sampled answer are
+    correlated, so these SEs are optimistic); contradicted when either falls below its threshold beyond Z SEs, or the
+    high-entropy positions are not a minority (≥ half of all)."""
+    tok = ((analysis or {}).get("token") or {}).get("checkpoints") or {}
+    tok = {lab: r for lab, r in tok.items() if lab in SEQ[1:]}
     if not tok:
-        return None, "no token-level analysis (analyze.py)"
-    oks, parts = [], []
+        return NOT_MEASURABLE, "no token-level analysis of the later stages (analyze.py)", None
+    vs, parts, ses = [], [], []
     for lab, r in tok.items():
-        if r.get("low_consistency") is None or r.get("high_flip_share") is None:
-            continue
-        oks.append(r["low_consistency"] >= 0.9 and r["high_flip_share"] > r["high_fraction"])
-        parts.append(f"{lab} low {r['low_consistency']:.2f}, flips in high {r['high_flip_share']:.2f} "
-                     f"(positions {r['high_fraction']:.2f})")
-    return (all(oks) if oks else None), "; ".join(parts)
+        n, h, low, share = r.get("n"), r.get("high_fraction"), r.get("low_consistency"), r.get("high_flip_share")
+        flips = None if n is None or r.get("consistency") is None else n * (1 - r["consistency"])
+        low_se = None if None in (n, h, low) or n * (1 - h) < 1 else math.sqrt(low * (1 - low) / (n * (1 - h)))
+        share_se = None if share is None or not flips else math.sqrt(share * (1 - share) / flips)
+        vs += [above(low, low_se, 0.90), above(share, share_se, 0.80),
+               NOT_MEASURABLE if h is None else HOLDS if h < 0.5 else CONTRADICTED]
+        ses += [low_se, share_se]
+        parts.append(f"{lab}: low-entropy kept {fmt(low, low_se)}, flips at high entropy {fmt(share, share_se)} "
+                     f"(high-entropy positions {fmt(h, nd=2)})")
+    return decide(vs), "; ".join(parts), mde(ses)
 
 
-def f9_sft_moves_more(analysis):
-    """9. SFT moves the weights several times more than RL does. Criterion: in every stage with a cold start, the SFT
-    part's move (the -rft checkpoint from the stage's parent) is at least 2x the RL part's (the stage from -rft)."""
+def f9_sft_consistent(S, analysis):
+    """Criterion: in every stage with a cold start, the SFT part moves the weights further per unit of lr × updates
+    than the RL part (analyze.py's stage moves and lr_steps: with AdamW, a move per lr·update near 1 means updates that
+    agree in direction, near 1/sqrt(updates) a random walk). Contradicted when the RL part moves further per lr·update
+    in every such stage; not shown when the stages disagree. Deterministic given the runs: no SE, the spread is over
+    seeds. (The raw displacement, SFT several times RL's, is printed but not judged: it tracks lr × updates.)"""
     moves = [m for m in (analysis or {}).get("stage_moves", []) if "rft" in m]
+    moves = [m for m in moves if m.get("rft_lr_steps") and m.get("rl_lr_steps") and m["rl"] > 0]
     if not moves:
-        return None, "no stage with a cold start in analyze.py's stage moves"
-    ratios = {m["checkpoint"]: m["rft"] / m["rl"] if m["rl"] > 0 else float("inf") for m in moves}
-    return all(r >= 2 for r in ratios.values()), ", ".join(
-        f"{c}: SFT {m['rft']:.3f} vs RL {m['rl']:.3f} ({ratios[c]:.1f}x)" for c, m in zip(ratios, moves))
+        return NOT_MEASURABLE, "no stage with a cold start and its lr × updates in analyze.py's stage moves", None
+    r = [(m["rft"] / m["rft_lr_steps"]) / (m["rl"] / m["rl_lr_steps"]) for m in moves]
+    v = HOLDS if all(x > 1 for x in r) else CONTRADICTED if all(x < 1 for x in r) else NOT_SHOWN
+    return v, "; ".join(f"{m['checkpoint']}: per lr·update SFT {m['rft'] / m['rft_lr_steps']:.2f} vs RL "
+                        f"{m['rl'] / m['rl_lr_steps']:.2f} ({x:.1f}x; raw move SFT {m['rft']:.3f}, RL {m['rl']:.3f})"
+                        for m, x in zip(moves, r)), None
 
 
+def stage_alignment(analysis) -> dict | None:
+    """From analyze.py's Gram matrix (its cosines and norms): for each sequential stage after the first, the cosine
+    of its own move (from the previous stage) with each oracle's displacement from the base, and each stage's
+    distance from the base. None when the stages or the oracles are missing."""
+    labs = (analysis or {}).get("checkpoints") or []
+    need = list(SEQ) + [f"oracle-{d}" for d in DOMAINS]
+    if not all(n in labs for n in need):
+        return None
+    i = {n: labs.index(n) for n in need}
+    norms = np.array([analysis["norms"][n] for n in labs])
+    G = np.array(analysis["cosine"]["all"]) * np.outer(norms, norms)
+    out = {"distance": {s: float(norms[i[s]]) for s in SEQ}, "cosines": {}}
+    for prev, s in zip(SEQ, SEQ[1:]):
+        a, b = i[s], i[prev]
+        move = math.sqrt(max(G[a, a] + G[b, b] - 2 * G[a, b], 0.0))
+        out["cosines"][s] = {d: float((G[a, i[f"oracle-{d}"]] - G[b, i[f"oracle-{d}"]]) /
+                                      (move * norms[i[f"oracle-{d}"]]))
+                             if move > 0 and norms[i[f"oracle-{d}"]] > 0 else None for d in DOMAINS}
+    return out
+
+
+def f10_alignment(S, analysis):
+    """Criterion (analyze.py's model level): for each stage after the first, its own move is closer in direction
+    (cosine) to its own domain's oracle than to any other oracle, and that cosine stays below 0.99 (never aligned);
+    and the distance from the base grows with every stage. Contradicted when any of these is reversed (deterministic
+    given the runs: no SE, the spread is over seeds). The first stage starts from the base like its oracle, and in the
+    tiny arena is the same run, so it is not judged."""
+    al = stage_alignment(analysis)
+    if al is None:
+        return NOT_MEASURABLE, "needs analyze.py's model level over the four stages and the four oracles", None
+    oks, parts = [], []
+    for s, cos in al["cosines"].items():
+        own = OWN_STAGE_OF[s]
+        if any(c is None for c in cos.values()):
+            return NOT_MEASURABLE, f"{s} did not move", None
+        best = max(cos, key=cos.get)
+        oks.append(best == own and cos[own] < ALIGNED)
+        parts.append(f"{s} move: cos with oracle-{own} {cos[own]:.2f}, highest {best} {cos[best]:.2f}")
+    dist = [al["distance"][s] for s in SEQ]
+    oks.append(all(b > a for a, b in zip(dist, dist[1:])))
+    parts.append("distance from the base " + " → ".join(f"{x:.3f}" for x in dist))
+    return HOLDS if all(oks) else CONTRADICTED, "; ".join(parts), None
+
+
+OWN_STAGE_OF = {s: d for d, s in OWN_STAGE.items()}
+
+# (the claim as the report states it, the study's own words or numbers it rests on, the criterion's function)
 FINDINGS = [
-    ("Seq-Final sits below the earlier peaks of math and search (forgetting)", f1_forgetting),
-    ("Sequential training is non-monotonic: a domain falls after a later stage and partly recovers", f2_non_monotonic),
-    ("MMOPD and SDFT recover most of the forgotten math and search (≥ 0.8 of the peak)", f3_recovery),
-    ("SDFT pays on the skills learned last (IF and e-commerce below Seq-Final)", f4_sdft_cost),
-    ("Uniform merging keeps early skills, loses the last agentic one, and is the weakest consolidator on agentic tasks",
+    ("Seq-Final sits below the earlier peaks of math, search and e-commerce (forgetting)",
+     "Seq-Final ends below earlier peaks on AIME26 (10.21 vs 25.83), NQ (33.5 vs 45.2) and τ³-Retail (29.6 vs 34.0)",
+     f1_forgetting),
+    ("Sequential training is non-monotonic: a domain falls after a later stage and partly recovers",
+     "AIME26 25.83 → 23.33 → 6.04 → 10.21; NQ 45.2 → 14.6 → 33.5", f2_non_monotonic),
+    ("MMOPD and SDFT recover most of the forgotten math and search",
+     "MMOPD raises AIME26 from 10.21 to 21.25 and NQ to 45.2; SDFT gives AIME26 22.29 and NQ 48.3", f3_recovery),
+    ("SDFT pays on the skills learned last (IF and e-commerce below Seq-Final)",
+     "SDFT: τ³-Retail falls to 22.3 and IF-Eval drops to 53.6", f4_sdft_cost),
+    ("Uniform merging keeps early skills out of domain, loses the last agentic one, and is the weakest consolidator "
+     "on agentic tasks", "AIME26 14.79, NQ 39.0, τ³-Retail 11.8, though it preserves MMLU (80.3) and GPQA (41.8)",
      f5_uniform_merge),
-    ("MLE has the most balanced profile (the highest minimum over domains of score ÷ oracle)", f6_balance),
-    ("Oracles specialise and do not transfer", f7_oracles),
-    ("Low-entropy tokens stay ≥ 90% stable across stages; the change is carried by high-entropy tokens", f8_tokens),
-    ("SFT moves the weights several times more than RL does", f9_sft_moves_more),
+    ("MLE has the most balanced profile (the highest minimum over domains of score ÷ oracle, merges included)",
+     "MLE: AIME26 21.04, NQ 49.7, τ³-Retail 32.9, IF-Eval 85.0", f6_balance),
+    ("Oracles specialise; their gains do not carry consistently across domains",
+     "the search expert reaches 49.9 on NQ, the IF expert 86.2 on IF-Eval, but their gains do not carry "
+     "consistently across domains (Seq-Math raises NQ from 13.3 to 22.0: beneficial transfer)", f7_oracles),
+    ("Low-entropy tokens stay stable across stages; almost all change is carried by the high-entropy minority",
+     "low-entropy positions (the large majority) remain highly stable; almost all prediction change is carried by "
+     "the small high-entropy minority (~95% stable)", f8_tokens),
+    ("SFT's updates are broader and more directionally consistent than RL's",
+     "SFT establishes valid task behavior with broader, more directionally consistent updates, while RL makes "
+     "smaller, policy-local refinements", f9_sft_consistent),
+    ("Each stage moves toward its own oracle but never aligns with it; drift from the base accumulates",
+     "each stage moves toward its own oracle but never aligns perfectly, and the more stages a checkpoint has passed "
+     "through, the further it has drifted from Base", f10_alignment),
 ]
 
 
-def check_findings(recs, eval_dir, analysis) -> list:
-    """[(number, claim, verdict, the numbers that decide it)] for the nine findings."""
-    m, _ = matrices(recs)
+def check_findings(S, analysis) -> list:
+    """[(number, claim, verdict, the numbers that decide it, MDE)] for the ten findings."""
     out = []
-    for i, (claim, fn) in enumerate(FINDINGS, 1):
-        if fn is f6_balance:
-            ok, text = fn(recs, eval_dir)
-        elif fn in (f8_tokens, f9_sft_moves_more):
-            ok, text = fn(analysis)
-        else:
-            ok, text = fn(recs, m)
-        out.append((i, claim, verdict(ok), text))
+    for i, (claim, _, fn) in enumerate(FINDINGS, 1):
+        v, text, m = fn(S, analysis)
+        out.append((i, claim, v, text, m))
     return out
+
+
+def tally(verdicts) -> str:
+    """"holds 1, not shown 2, contradicted 0" (and not measurable, when any)."""
+    c = {v: sum(x == v for x in verdicts) for v in (HOLDS, NOT_SHOWN, CONTRADICTED, NOT_MEASURABLE)}
+    return ", ".join(f"{v} {c[v]}" for v in (HOLDS, NOT_SHOWN, CONTRADICTED)) + \
+        (f", not measurable {c[NOT_MEASURABLE]}" if c[NOT_MEASURABLE] else "")
 
 
 # ----------------------------------------------------------------------------- finding 6's balance
 
-def per_task(eval_dir: str, name: str, domains) -> dict:
-    """{domain: (task ids, per-task scores)} of eval_dir/<name>.json's `<domain>/test` benchmarks."""
-    from evaluate import load_results
-    path = os.path.join(eval_dir, f"{name}.json")
-    if not os.path.isfile(path):
-        raise UsageError(f"no evaluation {path}: run evaluate.py on that checkpoint first")
-    bench = load_results(path).get("benchmarks", {})
-    out = {}
-    for d in domains:
-        b = bench.get(f"{d}/test")
-        if not b or "per_task" not in b:
-            raise UsageError(f"{path} has no per-task {d}/test scores")
-        out[d] = (b["task_ids"], b["per_task"])
-    return out
-
-
-def balance(eval_dir: str, names: list, domains=DOMAINS, boots: int = 2000, seed: int = 0) -> dict:
-    """{name: {"ratio": {domain: r}, "min": B, "boot": tensor of B over resamples}} (the module docstring's criterion);
-    the oracles are eval_dir/oracle-<domain>.json."""
-    oracle = {d: per_task(eval_dir, f"oracle-{d}", [d])[d] for d in domains}
-    runs = {n: per_task(eval_dir, n, domains) for n in names}
+def balance(S, names: list, domains=DOMAINS, boots: int = 2000, seed: int = 0) -> dict:
+    """{name: {"ratio": {domain: r}, "min": B, "boot": tensor of B over resamples}} (the module docstring's criterion;
+    the oracle of domain d is the checkpoint oracle-<d>). Per-task scores are resampled by task, the same draw for
+    every checkpoint of a domain (paired); a score given as mean ± SE is drawn from a normal."""
     g = torch.Generator().manual_seed(seed)
-    idx = {d: torch.randint(0, len(oracle[d][0]), (boots, len(oracle[d][0])), generator=g) for d in domains}
+    oracle = {}
+    for d in domains:
+        o = S._get(f"oracle-{d}", f"{d}/test")
+        if o is None:
+            raise UsageError(f"no {d}/test score of oracle-{d}")
+        oracle[d] = o
+    idx = {d: torch.randint(0, len(o), (boots, len(o)), generator=g) for d, o in oracle.items() if isinstance(o, dict)}
+
+    def draws(x, d, who):
+        if isinstance(x, dict):
+            ids = list(oracle[d])
+            if not isinstance(oracle[d], dict) or set(x) != set(ids):
+                raise UsageError(f"{who} and the {d} oracle were scored on different {d}/test tasks")
+            return torch.tensor([x[t] for t in ids], dtype=torch.float64)[idx[d]].mean(1)
+        return x[0] + (x[1] or 0.0) * torch.randn(boots, generator=g, dtype=torch.float64)
+    o_boot = {d: draws(oracle[d], d, f"oracle-{d}") for d in domains}
     out = {}
-    for n, r in runs.items():
+    for n in names:
         ratios, boot = {}, []
         for d in domains:
-            ids, o = oracle[d]
-            if r[d][0] != ids:
-                raise UsageError(f"{n} and the {d} oracle were scored on different {d}/test tasks")
-            x, o = torch.tensor(r[d][1], dtype=torch.float64), torch.tensor(o, dtype=torch.float64)
-            ratios[d] = (x.mean() / o.mean()).item()
-            boot.append(x[idx[d]].mean(1) / o[idx[d]].mean(1))                      # (boots,)
+            x = S._get(n, f"{d}/test")
+            if x is None:
+                raise UsageError(f"no {d}/test score of {n}")
+            ratios[d] = S.mean(n, f"{d}/test") / S.mean(f"oracle-{d}", f"{d}/test")
+            boot.append(draws(x, d, n) / o_boot[d])                                  # (boots,)
         out[n] = {"ratio": ratios, "min": min(ratios.values()), "boot": torch.stack(boot).min(0).values}
     return out
 
 
 def balance_verdict(res: dict, names: list, claim: str) -> tuple:
-    """The claim's verdict (the module docstring's rule) -> (verdict, the runner-up or the leader it is compared
-    with, the 95% bootstrap interval of the claim's balance minus that one's, the names ranked by balance)."""
+    """The claim's verdict (f6_balance's rule) -> (verdict, the runner-up or the leader it is compared with, the 95%
+    bootstrap interval of the claim's balance minus that one's, the names ranked by balance)."""
     ranked = sorted(names, key=lambda n: -res[n]["min"])
     best, other = ranked[0], ranked[1] if ranked[0] == claim else ranked[0]
     diff = res[claim]["boot"] - res[other]["boot"]
     lo, hi = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    verdict = "does not hold" if best != claim else "holds" if lo > 0 else "not shown (first, but the interval holds 0)"
+    verdict = HOLDS if best == claim and lo > 0 else CONTRADICTED if best != claim and hi < 0 else NOT_SHOWN
     return verdict, other, lo, hi, ranked
 
 
@@ -458,6 +640,66 @@ def across_seeds(run_dirs) -> str:
 
 
 # ----------------------------------------------------------------------------- report.md
+
+def findings_section(checked: list, seeds: list) -> list:
+    """The findings' lines of the report: each finding's verdict in each seed with its minimum detectable effect, the
+    tally over seeds (the three verdicts kept apart), the numbers that decide each, and the criteria beside the
+    study's words."""
+    n = len(checked)
+    m = lambda x: "–" if x is None else f"{x:.3f}"   # noqa: E731
+    lines = ["## The study's findings, checked", "",
+             f"Three verdicts: **holds** (the claimed difference is beyond {Z:g} standard errors), **contradicted** (the "
+             f"opposite is), **not shown** (neither); *not measurable here* when an input is missing. MDE, the minimum "
+             f"detectable effect: {Z:g} × the SE of the deciding difference (the largest, where there are several): "
+             "a true effect smaller than it would most often come out \"not shown\". Differences are paired over the "
+             "same tasks.", ""]
+    if n == 1:
+        lines += ["| # | the study's claim | here | MDE | the numbers that decide it |", "|---|---|---|---|---|"]
+        lines += [f"| {i} | {claim} | **{v}** | {m(e)} | {text} |" for i, claim, v, text, e in checked[0]]
+    else:   # each seed checked alone by the same criterion; the tally over seeds, never a pooled verdict
+        lines += [f"Each finding checked in each training seed's run by the same criterion, the tally over the {n} "
+                  "seeds beside.", "", "| # | the study's claim | over seeds | " +
+                  " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (n + 3) + "|"]
+        for j, (i, claim, *_) in enumerate(checked[0]):
+            vs = [c[j][2] for c in checked]
+            lines.append(f"| {i} | {claim} | **{tally(vs)}** | " +
+                         " | ".join(f"{v} (MDE {m(c[j][4])})" for v, c in zip(vs, checked)) + " |")
+        lines += ["", "The numbers that decide each finding, per seed:", "", "| # | seed | MDE | the numbers |",
+                  "|---|---|---|---|"]
+        lines += [f"| {c[j][0]} | {s} | {m(c[j][4])} | {c[j][3]} |" for j in range(len(checked[0]))
+                  for c, s in zip(checked, seeds)]
+    lines += ["", "The criteria, fixed in report.py (FINDINGS) before the runs they judge:", ""]
+    for i, (claim, quote, fn) in enumerate(FINDINGS, 1):
+        lines.append(f"{i}. {claim}. *The study: \"{quote}\".* " + " ".join(fn.__doc__.split()))
+    return lines
+
+
+SDFT_GRID = [("balanced-interleaved", "balanced", "interleaved", "base"), ("balanced-staged", "balanced", "staged", "base"),
+             ("balanced-graded", "balanced", "graded", "base"), ("proportional-interleaved", "proportional",
+             "interleaved", "base"), ("proportional-staged", "proportional", "staged", "base"),
+             ("proportional-graded", "proportional", "graded", "base"), ("seqfinal", "balanced", "interleaved",
+             "Seq-Final"), ("nodedup", "balanced", "interleaved", "base, --dedup-threshold 1.0")]
+
+
+def sdft_grid(eval_dir: str) -> str | None:
+    """The SDFT ablation grid (arena.sh SDFT_GRID=1: eval/sdft-ablation-<cell>.json) as a table of each domain's
+    `test` score ± SE and its paired difference to the default SDFT; None when the grid was not run."""
+    cells = [(c, *rest) for c, *rest in SDFT_GRID if os.path.isfile(os.path.join(eval_dir, f"sdft-ablation-{c}.json"))]
+    if not cells:
+        return None
+    names = ["sdft"] + [f"sdft-ablation-{c}" for c, *_ in cells]
+    S = Scores.from_records(load_records(eval_dir, [n for n in names if n != "sdft" or
+                                                    os.path.isfile(os.path.join(eval_dir, "sdft.json"))]))
+    lines = ["Each cell one SDFT student on one pool (arena.sh SDFT_GRID=1); each domain's `test` score ± SE over tasks, "
+             "and below it the paired difference to the arena's SDFT (balanced, interleaved, from the base, dedup "
+             "0.9).", "", "| cell | mix | order | student | " + " | ".join(DOMAINS) + " |", "|---" * (4 + len(DOMAINS)) + "|"]
+    for c, mix, order, student in cells:
+        name = f"sdft-ablation-{c}"
+        lines.append(f"| {c} | {mix} | {order} | {student} | " + " | ".join(
+            f"{fmt(S.mean(name, f'{d}/test'), S.se(name, f'{d}/test'))} ({fmt(*S.diff('sdft', name, f'{d}/test'))})"
+            for d in DOMAINS) + " |")
+    return "\n".join(lines)
+
 
 def run_seeds(run: str) -> list:
     """The training seeds recorded in a run's sequential stages (acl_meta.json)."""
@@ -539,22 +781,11 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     def analysis_of(run):
         path = os.path.join(run, "analysis", "analysis.json")
         return json.load(open(path)) if os.path.isfile(path) else None
-    checked = [check_findings(rs, os.path.join(r, "eval"), analysis_of(r)) for r, rs in zip(all_runs, recs_by_seed)]
-    lines += ["## The study's findings, checked", ""]
-    if n == 1:
-        lines += ["| # | the study's claim | here | the numbers that decide it |", "|---|---|---|---|"]
-        lines += [f"| {i} | {claim} | **{v}** | {text} |" for i, claim, v, text in checked[0]]
-    else:   # each seed checked alone by the same criterion; the count of seeds where it holds, never a pooled verdict
-        lines += [f"Each finding checked in each training seed's run by the same criterion; the count says in how many "
-                  f"of the {n} it holds.", "", "| # | the study's claim | holds in | " +
-                  " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (n + 3) + "|"]
-        for j, (i, claim, _, _) in enumerate(checked[0]):
-            vs = [c[j][2] for c in checked]
-            lines.append(f"| {i} | {claim} | **{sum(v == 'holds' for v in vs)} of {n}** | " + " | ".join(vs) + " |")
-        lines += ["", "The numbers that decide each finding, per seed:", "", "| # | seed | the numbers |", "|---|---|---|"]
-        lines += [f"| {c[j][0]} | {s} | {c[j][3]} |" for j in range(len(checked[0]))
-                  for c, s in zip(checked, seeds)]
-    lines += ["", "Each criterion is written in report.py (FINDINGS, one function each) and was fixed before the run."]
+    checked = [check_findings(Scores.from_records(rs), analysis_of(r)) for r, rs in zip(all_runs, recs_by_seed)]
+    lines += findings_section(checked, seeds)
+    sdft = sdft_grid(eval_dir)
+    if sdft:
+        lines += ["", "## The SDFT ablation grid", "", sdft]
     times = os.path.join(runs, "arena_times.md")
     if os.path.isfile(times):
         lines += ["", "## Time per step", "", "```", open(times).read().strip(), "```"]
@@ -585,7 +816,10 @@ def main(argv=None):
         if a.boot < 100:
             raise UsageError("--boot must be >= 100")
         if a.balance:
-            res = balance(a.eval_dir or os.path.join(a.runs, "eval"), a.names + a.extra, boots=a.boot)
+            ev = a.eval_dir or os.path.join(a.runs, "eval")
+            names = a.names + a.extra
+            res = balance(Scores.from_records(load_records(ev, names + [f"oracle-{d}" for d in DOMAINS])), names,
+                          boots=a.boot)
             print(balance_table(res, a.names, a.claim))
         else:
             for r in [a.runs, *a.seed_runs]:

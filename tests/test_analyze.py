@@ -40,6 +40,24 @@ def test_distances_from_gram():
     assert analyze.distance(G, 0, 2) == pytest.approx(np.sqrt(5))
 
 
+def test_lr_steps_count_the_updates_that_made_a_checkpoint(tmp_path):
+    """Finding 9's normaliser: the cold start's SFT updates (a metrics row each) at rft_lr, the GRPO steps that kept a
+    group (an update each, --minibatches of them) at lr; None without metrics."""
+    def ckpt(name, recipe, rows):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "acl_meta.json").write_text(json.dumps({"recipe": recipe}))
+        if rows is not None:
+            (tmp_path / f"{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+    rft = ckpt("2-search-rft", {"lr": 2e-4, "rft_lr": 1e-3}, [{"step": i, "nll": 0.1} for i in range(16)])
+    rl = ckpt("2-search", {"lr": 2e-4, "rft_lr": 1e-3, "minibatches": 2},
+              [{"step": i, "kept_groups": 0 if i in (3, 7) else 4} for i in range(10)])
+    assert analyze.lr_steps(rft) == pytest.approx(16 * 1e-3)
+    assert analyze.lr_steps(rl) == pytest.approx(8 * 2 * 2e-4)
+    assert analyze.lr_steps(ckpt("none", {"lr": 2e-4}, None)) is None
+
+
 def test_group_of():
     assert analyze.group_of("model.layers.0.self_attn.q_proj.weight") == "attention"
     assert analyze.group_of("model.layers.0.self_attn.q_norm.weight") == "norms"
