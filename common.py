@@ -578,6 +578,18 @@ def save_checkpoint(out_dir: str, model, tokenizer, meta: dict, state_dict: dict
     return write_atomically(out_dir, write)
 
 
+def save_policy(out_dir: str, model, tokenizer, meta, dtype=None):
+    """A training script's checkpoint, called on every rank: the weights gathered to rank 0 (full_state_dict), rank 0
+    writes them (save_checkpoint), and every rank waits at a barrier
+    until the directory exists. Without the barrier the other ranks went straight on to load it as the next stage's
+    parent while rank 0 was still writing (about a minute at 8B): every multi-rank run died crossing a stage."""
+    sd = full_state_dict(model)
+    if rank() == 0:
+        save_checkpoint(out_dir, model, tokenizer, meta, state_dict=sd, dtype=dtype)
+    barrier()
+    return out_dir
+
+
 def tokenizer_hash(path: str) -> str:
     """A fingerprint of a checkpoint's tokenizer (its vocabulary and special tokens): two checkpoints whose token ids
     mean the same tokens have the same one."""

@@ -12,7 +12,7 @@ plotted with forgetting, BWT and FWT (eval/seq_matrix.png, eval/seq_matrix.json)
     python evaluate.py --ckpt runs/tiny/base --suite tiny                                # ~1.5 min on 2 cores
     python evaluate.py --ckpt runs/tiny/base runs/tiny/seq/* --suite tiny --seeds 3      # + the accuracy matrix
     python evaluate.py --ckpt runs/tiny/seq/4-if --suite tiny --matrix                   # matrix with saved rows
-    python evaluate.py --ckpt runs/qwen3-8b/seq/4-if --suite full \\
+    python evaluate.py --ckpt runs/qwen3-8b/seq/4-if --suite full --backend vllm \\
         --source aime26=MathArena/aime_2026 --search-data data/flashrag --search-corpus data/wiki18.jsonl \\
         --tau-data data/tau2/domains/retail --source tau_mock=data/tau2/domains/mock \\
         --source tau_telecom=data/tau2/domains/telecom --user-url http://localhost:8000/v1 --user-model Qwen/Qwen3-32B
@@ -196,7 +196,8 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
         model.eval()
     results = {}
     try:
-        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        # this process's own GPU only: forking every device's RNG would open a CUDA context on each of them
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             for name, (env, items) in tasks.items():
                 kk = k or DEFAULT_K.get(name, 1)
                 temp = temperature.get(bench_domain(name), 1.0) if isinstance(temperature, dict) else temperature
@@ -316,10 +317,11 @@ def routed_gold(backend, tok, env, items, adapters, ctx):
 
 
 def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mix=False, max_lora_rank=0,
-                  **kwargs) -> dict:
+                  bf16: bool = False, **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
     The backend comes from envs.rollout.make_backend: "vllm" starts one engine with the first checkpoint and
-    streams each later one into it tensor by tensor (they must share the first one's architecture).
+    streams each later one into it tensor by tensor (they must share the first one's architecture); bf16: the engine
+    computes in bf16 (as training's rollouts do on GPUs; fp32 doubles the memory and slows prefill several times).
     Returns the record that main() saves: {ckpt, suite, settings, wall_s, code_revision, benchmarks}."""
     from transformers import AutoTokenizer
 
@@ -333,7 +335,8 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mi
     if weights != path:
         kwargs["route"] = mle.router(path, router, tok, mix=router_mix)
     batch = kwargs.get("batch", 64) if backend_name == "hf" else max(kwargs.get("batch", 64), 256)
-    kwargs["backend"], model = make_backend(backend_name, tok, weights, gen_batch=batch,
+    kwargs["backend"], model = make_backend(backend_name, tok, weights, gen_batch=batch, bf16=bf16,
+                                            device=torch.device("cuda") if torch.cuda.is_available() else None,
                                             max_tokens=kwargs.get("max_tokens") or 4096, max_lora_rank=max_lora_rank)
     record = evaluate_record(model, tok, path, suite, t0, **kwargs)
     return record | (dict(router=router, router_mix=router_mix, experts=mle.experts_of(path)) if weights != path else {})
@@ -667,6 +670,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64, help="generation batch size (hf backend)")
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="rollout engine: hf (transformers, CPU "
                    "or GPU) or vllm (one engine; each further checkpoint's weights are streamed into it)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="the engine's compute precision "
+                   "(auto: bf16 on a GPU, as training's rollouts; fp32 on the CPU)")
     p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
     p.add_argument("--mixed", nargs="?", const="add", default=None, choices=["add", "only"],
                    help="tiny suite: also the mixed-domain tasks (envs/mixed.py: a search whose answer feeds an "
@@ -702,6 +707,9 @@ def parse_n(text):
         if v < 1:
             raise UsageError(f"--n must be >= 1, got {text!r}")
     return n
+
+
+HF_CPU_MAX_GB = 4.0   # weights above this (a ~1B model in fp32) are refused with --backend hf on the CPU
 
 
 def resolve(a) -> dict:
@@ -744,6 +752,11 @@ def resolve(a) -> dict:
             mle.router(path, a.router, None)   # its experts (and router) are all there
         elif not is_checkpoint(path):
             raise UsageError(f"not a checkpoint directory (no config.json): {path}")
+        weights = mle.backbone_of(path) if routed else path
+        gb = sum(os.path.getsize(os.path.join(weights, f)) for f in os.listdir(weights) if f.endswith(".safetensors")) / 1e9
+        if a.backend == "hf" and not torch.cuda.is_available() and gb > HF_CPU_MAX_GB:
+            raise UsageError(f"{path}: {gb:.0f} GB of weights with --backend hf on a machine without a GPU would take "
+                             f"days; run --backend vllm on a GPU")
         eval_dir, name = run_name(path)
         name += (f"-{a.router}" + ("-mix" if a.router_mix else "")) if routed and a.router != "tag" else ""
         eval_dir = a.out_dir or eval_dir
@@ -797,7 +810,8 @@ def main():
                     benchmarks=list(r["tasks"]), n=a.n or defaults["n"], seeds=a.seeds, k=a.k, temperature=a.temperature,
                     batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
                     max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
-                    env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend, gold=a.gold)
+                    env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend, gold=a.gold,
+                    dtype="bf16" if a.dtype == "bf16" or (a.dtype == "auto" and torch.cuda.is_available()) else "fp32")
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
     named, evaluated, t_start = {}, {}, time.time()
     for i, (path, name, _, out) in enumerate(r["ckpts"], 1):
@@ -814,7 +828,7 @@ def main():
             record = dict(evaluated[twin], ckpt=path, same_weights_as=twin, wall_s=0.0)
         else:
             record = evaluate_ckpt(path, a.suite, backend_name=a.backend, router=a.router, router_mix=a.router_mix,
-                                   max_lora_rank=r["max_lora_rank"],
+                                   max_lora_rank=r["max_lora_rank"], bf16=settings["dtype"] == "bf16",
                                    seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
                                    max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
                                    tasks=r["tasks"], label=f"[{name}] ", gold=a.gold, episodes=episodes)

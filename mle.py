@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from common import (
     UsageError,
+    barrier,
     check_output,
     check_run_files,
     drop_train_state,
@@ -129,13 +130,14 @@ class AdapterOff(torch.nn.Module):
 def save_adapter(model, out: str, meta: dict):
     """The adapter as a standard peft directory (adapter_config.json, adapter_model.safetensors) plus acl_meta.json,
     written atomically; the adapter's weights only, never the backbone. Every rank calls it (each weight is
-    all-gathered under FSDP2); rank 0 writes."""
+    all-gathered under FSDP2); rank 0 writes, and every rank waits until it has."""
     sd = dict(full_params(model, trainable_only=True))
     if rank() == 0:
         def write(tmp):
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             write_meta(tmp, dict(meta, adapter_bytes=os.path.getsize(os.path.join(tmp, "adapter_model.safetensors"))))
         write_atomically(out, write)
+    barrier()   # the other ranks read it next (the router's features, the export): not before it exists
 
 
 def expert_backend(a, tok, policy, device, live: str):

@@ -29,6 +29,7 @@ Differences from the paper and the released code:
 2. The student's entropy in the log is the Monte-Carlo estimate -mean log pi(y_t) over its own samples (the
    teacher's is exact).
 """
+import glob
 import os
 import sys
 import time
@@ -43,7 +44,6 @@ from common import (
     check_run_files,
     drop_train_state,
     eta,
-    full_state_dict,
     gather_mean,
     init_dist,
     is_checkpoint,
@@ -56,7 +56,7 @@ from common import (
     read_meta,
     remove_leftovers,
     run_files,
-    save_checkpoint,
+    save_policy,
     save_train_state,
     seed_all,
     shard,
@@ -66,7 +66,7 @@ from common import (
     world_size,
 )
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
-from envs.rollout import ServiceError, check_user_errors, make_backend, push_weights, rollout
+from envs.rollout import ServiceError, check_user_errors, make_backend, push_weights, rollout, wake_and_push
 from scale import dry_run, model_config
 from train_step import (
     SAVE_DTYPES,
@@ -146,7 +146,8 @@ def fkl_coef_at(a, step: int) -> float:
 def get_args(argv=None):
     p, name, preset = preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--domains", default=",".join(DOMAINS), help="domains, in the sequential run's curriculum order")
-    p.add_argument("--student", default=None, help="starting checkpoint (default Seq-Final: <runs>/seq/<n>-<last>)")
+    p.add_argument("--student", default=None, help="starting checkpoint (default Seq-Final: the last stage of the curriculum the sequential run in "
+                   "--runs recorded)")
     p.add_argument("--teachers", default="seq", help="seq (the stage that learned each domain, <runs>/seq/<i>-<d>), "
                                                      "oracle (<runs>/oracle/<d>) or domain=DIR,...")
     p.add_argument("--mix", default="balanced", help="prompts per step across domains: balanced or weights w1,w2,...")
@@ -195,13 +196,26 @@ def teacher_paths(a) -> dict:
     return {d: given[d] for d in a.domains}
 
 
+def seq_final(runs: str, domains: list) -> str:
+    """Seq-Final, the default student: the last stage of the curriculum that the sequential run in `runs` recorded
+    (each stage's acl_meta.json), whatever --domains distils (the authors' three-teacher run distils math, search and
+    e-commerce into the four-stage Seq-Final; the last of --domains would silently be Seq-Ecom); before any stage
+    exists, <runs>/seq/<n>-<last> of --domains (the error then names it)."""
+    for p in sorted(glob.glob(os.path.join(runs, "seq", "[0-9]*-*"))):
+        meta = read_meta(p)
+        if meta.get("method") == "seq" and meta.get("curriculum"):
+            c = meta["curriculum"]
+            return os.path.join(runs, "seq", f"{len(c)}-{c[-1]}")
+    return os.path.join(runs, "seq", f"{len(domains)}-{domains[-1]}")
+
+
 def check_args(a):
     """Every bad input stops here with a UsageError, before anything is loaded or written."""
     check_shared_flags(a)
     a.domains = list(parse_domains(a.domains))
     a.runs = a.runs or os.path.join("runs", a.preset)
     a.out = a.out or os.path.join(a.runs, "mmopd")
-    a.student = a.student or os.path.join(a.runs, "seq", f"{len(a.domains)}-{a.domains[-1]}")
+    a.student = a.student or seq_final(a.runs, a.domains)
     a.mix = parse_mix(a.mix, a.domains)
     for ok, msg in [(a.prompts >= 1, "--prompts must be >= 1"), (a.group >= 1, "--group must be >= 1"),
                     (a.steps >= 1, "--steps must be >= 1"), (a.lr > 0, "--lr must be > 0"),
@@ -398,8 +412,7 @@ def main(argv=None):
                      dom=[a.domains.index(e.env) for e, _ in kept])
             loss, st = train_on(policy, opt, [e for e, _ in kept], lambda lp, b, x, w=beta_f: mmopd_loss(lp, b, x, a, w),
                                 extras=x, gather="t_top_ids", **step_kw)
-            backend.wake()
-            push_weights(backend, policy)
+            wake_and_push(backend, lambda: push_weights(backend, policy))
             # ---- the log: per domain, token means over its agent tokens
             n_all = all_reduce_sum(float(sum(e.n_sampled for e, _ in kept)))
             row = dict(step=step, loss=loss, beta_f=beta_f, grad_norm=st["grad_norm"], dropped=dropped, domains={})
@@ -436,17 +449,15 @@ def main(argv=None):
         sys.exit(f"error: [mmopd] step {step}: {e}; nothing non-finite was saved")
     except (TeacherFailure, ServiceError) as e:
         sys.exit(f"error: [mmopd] {e}")
-    sd = full_state_dict(policy)
-    if rank() == 0:
-        meta = dict(method="mmopd", stage="mmopd", parent=os.path.abspath(a.student), curriculum_position=None,
-                    step=a.steps, seed=a.seed, recipe=rec, teachers=rec["teachers"], tokenizer=a.tokenizer,
-                    history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1))
-        try:
-            save_checkpoint(a.out, policy, tok, meta, state_dict=sd, dtype=SAVE_DTYPES[a.save_dtype])
-        except OSError as e:
-            sys.exit(f"error: writing {a.out} failed: {e}")
-        drop_train_state(a.out)
-        print0(f"saved {a.out} in {time.time() - t0:.0f}s")
+    meta = dict(method="mmopd", stage="mmopd", parent=os.path.abspath(a.student), curriculum_position=None,
+                step=a.steps, seed=a.seed, recipe=rec, teachers=rec["teachers"], tokenizer=a.tokenizer,
+                history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1))
+    try:
+        save_policy(a.out, policy, tok, meta, dtype=SAVE_DTYPES[a.save_dtype])
+    except OSError as e:
+        sys.exit(f"error: writing {a.out} failed: {e}")
+    drop_train_state(a.out)
+    print0(f"saved {a.out} in {time.time() - t0:.0f}s")
     teardown()
 
 

@@ -59,7 +59,6 @@ from common import (
     check_writable,
     drop_train_state,
     eta,
-    full_state_dict,
     init_dist,
     is_checkpoint,
     load_policy,
@@ -71,7 +70,7 @@ from common import (
     read_meta,
     remove_leftovers,
     run_files,
-    save_checkpoint,
+    save_policy,
     save_train_state,
     seed_all,
     shard,
@@ -193,6 +192,7 @@ def collect(a, envs, device) -> tuple:
         check_user_errors(eps, a.max_user_errors, f"[sdft] collecting {d}")   # a dead user's episodes all fail
         dt, gen = time.time() - t0, all_reduce_max(time.time() - t_gen)
         n_tok = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
+        backend.sleep()   # vLLM: the one shared engine gives its memory back for the filter and the student's SFT
         del backend, engine
         counts, records = dict.fromkeys(FILTERS, 0), []
         for i, t in enumerate(mine):
@@ -515,18 +515,16 @@ def main(argv=None):
         if rank() == 0:
             mark_diverged(a.out, str(e))
         sys.exit(f"error: [sdft] step {step + 1}: {e}; nothing non-finite was saved")
-    sd = full_state_dict(policy)
-    if rank() == 0:
-        meta = dict(method="sdft", stage="sdft", parent=os.path.abspath(a.student), curriculum_position=None,
-                    step=steps, seed=a.seed, recipe=rec, pool=os.path.abspath(a.pool_dir), pool_sizes=sizes,
-                    quota=quota, config={k: v for k, v in vars(a).items() if k != "tok"},
-                    seconds=round(time.time() - t0, 1))
-        try:
-            save_checkpoint(a.out, policy, tok, meta, state_dict=sd, dtype=SAVE_DTYPES[a.save_dtype])
-        except OSError as e:
-            sys.exit(f"error: writing {a.out} failed: {e}")
-        drop_train_state(a.out)
-        print0(f"saved {a.out} in {time.time() - t0:.0f}s")
+    meta = dict(method="sdft", stage="sdft", parent=os.path.abspath(a.student), curriculum_position=None,
+                step=steps, seed=a.seed, recipe=rec, pool=os.path.abspath(a.pool_dir), pool_sizes=sizes,
+                quota=quota, config={k: v for k, v in vars(a).items() if k != "tok"},
+                seconds=round(time.time() - t0, 1))
+    try:
+        save_policy(a.out, policy, tok, meta, dtype=SAVE_DTYPES[a.save_dtype])
+    except OSError as e:
+        sys.exit(f"error: writing {a.out} failed: {e}")
+    drop_train_state(a.out)
+    print0(f"saved {a.out} in {time.time() - t0:.0f}s")
     teardown()
 
 

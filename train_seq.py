@@ -11,8 +11,8 @@ Each stage:
      -> runs/<preset>/seq/<i>-<domain>-rft/;
   2. GRPO for --steps steps: --prompts prompts x --group samples, group-normalised advantages, a
      clipped surrogate with separate low/high clip (DAPO) on a per-token ratio (or GSPO's per-sequence one,
-     --loss gspo), token-mean or sequence-mean aggregation, --lr and a k3 KL to the stage's starting weights
-     (--kl-coef) per domain, dynamic sampling (groups with equal rewards are
+     --loss gspo), token-mean or sequence-mean aggregation, --lr and a k3 KL to the policy as GRPO starts it
+     (after the cold start; --kl-coef) per domain, dynamic sampling (groups with equal rewards are
      dropped and more prompts drawn), a truncated importance weight between the sampler's and the
      trainer's log-probs, environment tokens masked out -> runs/<preset>/seq/<i>-<domain>/;
   3. evaluate every domain on --eval-n tasks (evaluate.py) -> runs/<preset>/eval/inrun/seq-<i>-<domain>.json.
@@ -50,7 +50,6 @@ from common import (
     check_writable,
     drop_train_state,
     eta,
-    full_state_dict,
     gather_mean,
     init_dist,
     is_checkpoint,
@@ -63,7 +62,7 @@ from common import (
     read_meta,
     remove_leftovers,
     run_files,
-    save_checkpoint,
+    save_policy,
     save_train_state,
     seed_all,
     shard,
@@ -73,7 +72,15 @@ from common import (
 )
 from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
 from envs.base import UsageError
-from envs.rollout import ServiceError, check_user_errors, expert_episodes, make_backend, push_weights, saved_episodes
+from envs.rollout import (
+    ServiceError,
+    check_user_errors,
+    expert_episodes,
+    make_backend,
+    push_weights,
+    saved_episodes,
+    wake_and_push,
+)
 from evaluate import evaluate_inrun, inrun_path
 from scale import dry_run
 from train_step import (
@@ -97,7 +104,8 @@ def grpo_loss(logp, b, x, a):
     logp: the current policy's log-probs; b["slp"]: the sampler's; x["adv"] (B, 1): the group-normalised
     advantage; x["old"]: the trainer's log-probs under the weights that sampled (absent on the first update on a
     batch: logp itself, detached); x["ref"]: the reference model's (absent without --kl-coef).
-    -> (loss, {"clip": 1 where the PPO ratio is outside the clip range})."""
+    -> (loss, {"clip": 1 where the PPO ratio is outside the clip range, "entropy": -log p of the sampled token (its
+    mean over tokens estimates the policy's entropy), "kl": the k3 KL term where there is a reference})."""
     old = x["old"] if "old" in x else logp.detach()
     log_ratio = logp - old                                               # GRPO: one PPO ratio per token
     if a.loss == "gspo":   # GSPO: one ratio per sequence, exp of its mean token log-ratio (on every token of it,
@@ -105,10 +113,13 @@ def grpo_loss(logp, b, x, a):
         seq = ((logp - old) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)     # (B, 1)
         log_ratio = seq.detach() + logp - logp.detach()
     loss, clipped = clipped_surrogate(log_ratio, x["adv"], old, b["slp"], a.clip_low, a.clip_high, a.tis_cap)
+    stats = {"clip": clipped, "entropy": -logp.detach()}
     if "ref" in x and a.kl_coef > 0:
         d = (x["ref"] - logp) * b["mask"]                                # 0 past the episode's end (zero-padded ref)
-        loss = loss + a.kl_coef * (torch.exp(d) - d - 1)                 # k3 estimator of KL(pi || ref)
-    return loss, {"clip": clipped}
+        kl = torch.exp(d) - d - 1                                        # k3 estimator of KL(pi || ref)
+        loss = loss + a.kl_coef * kl
+        stats["kl"] = kl.detach()
+    return loss, stats
 
 
 # The method's defaults per preset; the scale ones (engine, batch sizes, token limits) are train_step.SCALE's.
@@ -233,8 +244,7 @@ def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name, out=None
         raise FloatingPointError(f"[{stage_name}] cold start: {e}") from None
     if metrics:
         metrics.finish()
-    backend.wake()
-    push_weights(backend, policy)
+    wake_and_push(backend, lambda: push_weights(backend, policy))
     return n_kept
 
 
@@ -275,7 +285,7 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         t_step = time.time()
         # ---- generate: draw prompts until enough groups carry signal (dynamic sampling), or give up
         policy.eval()
-        kept, n_drawn, rewards, n_tok = [], 0, [], 0
+        kept, n_drawn, rewards, n_tok, lengths, truncs = [], 0, [], 0, [], []
         for r in range(a.max_gen_rounds):
             batch = cursor.take(prompts)
             mine = [train[j] for j in batch[rank()::world_size()]]
@@ -283,6 +293,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                            adapter=adapter)
             n_drawn += len(mine)
             rewards += [e.reward for e in eps]
+            lengths += [e.n_sampled for e in eps]
+            truncs += [float(e.truncated) for e in eps]
             n_tok += sum(e.n_sampled for e in eps)
             adv, _ = group_advantages(eps, drop_flat=a.dynamic_sampling)
             kept += [(e, adv[i]) for i, e in enumerate(eps) if i in adv]
@@ -290,13 +302,14 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                 break
         t_gen = time.time() - t_step
         reward = gather_mean(rewards)
+        n_resp, n_trunc = gather_mean(lengths), gather_mean(truncs)   # per sampled episode, over every rank
         kept = kept[: per_rank * a.group]
         n_kept = int(all_reduce_sum(len(kept)))
         # ---- sleep: the generation engine frees its memory for training (vLLM on GPU; a no-op for hf)
         backend.sleep()
         # ---- train: one update on the kept groups
         policy.train()
-        loss, clip_frac = 0.0, 0.0
+        loss, clip_frac, st = 0.0, 0.0, {}
         if n_kept:
             eps, advs = [e for e, _ in kept], [v for _, v in kept]
             # one update per batch by default; with --minibatches k, k updates on k slices of it, the later
@@ -315,18 +328,18 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                 lo, st = train_on(policy, opt, eps[sl], lambda lp, b, x: grpo_loss(lp, b, x, a), extras=x, **step_kw)
                 loss, clip_frac = loss + lo / a.minibatches, clip_frac + st.get("clip", 0.0) / a.minibatches
         # ---- wake, then push the new weights into the engine, a few tensors at a time
-        backend.wake()
-        if n_kept:
-            push(backend, policy)
+        wake_and_push(backend, (lambda: push(backend, policy)) if n_kept else None)
         dt = time.time() - t_step
         tok_s = all_reduce_sum(n_tok) / max(t_gen, 1e-9)
         print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
                f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
                f"{eta(t0, step - start, steps - step)}")
-        if metrics:
+        if metrics:   # what a first-day run is watched by: reward, response length and truncation, the update's
+            # gradient norm (before the clip), the policy's entropy and its KL to the reference (the last minibatch's)
             metrics.log(dict(stage=stage_name, step=step, reward=reward, kept_groups=n_kept // a.group, loss=loss,
-                             clip=clip_frac, gen_seconds=round(t_gen, 2), gen_tok_s=round(tok_s, 1),
-                             step_seconds=round(dt, 2)))
+                             clip=clip_frac, grad_norm=st.get("grad_norm"), entropy=st.get("entropy"), kl=st.get("kl"),
+                             response_tokens=n_resp, truncated=n_trunc, gen_seconds=round(t_gen, 2),
+                             gen_tok_s=round(tok_s, 1), step_seconds=round(dt, 2)))
         if a.save_every and step % a.save_every == 0 and step < steps:
             save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos),
                              recipe=rec or recipe(a, domain))
@@ -352,13 +365,7 @@ def run_stage(i, domain, parent, a, device, env):
     start = rft_dir if rft_done else parent    # decided before loading: one policy, one backend
     policy, tok = load_policy(start, device, a.attn, a.grad_ckpt)
     seed_all(a.seed + i)
-    ref_model = None
-    if a.kl_coef > 0:   # the stage's starting weights (before RFT), frozen
-        ref_model, _ = load_policy(parent, device, a.attn)
-        ref_model.eval().requires_grad_(False)
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
-    if ref_model is not None:
-        ref_model = shard(ref_model, bf16=a.bf16, cpu_offload=a.cpu_offload)
     backend, engine = stage_backend(a, tok, start, policy, device)
     n_rft, t_rft = None, 0.0
     if rft_done:
@@ -371,6 +378,11 @@ def run_stage(i, domain, parent, a, device, env):
         n_rft = cold_start(policy, tok, backend, env, domain, tasks, a, name, out=rft_dir)
         t_rft = time.time() - t1
         save(policy, tok, rft_dir, a, domain, i, parent, dict(rft_kept=n_rft, phase="rft", seconds=round(t_rft, 1)))
+    ref_model = None
+    if a.kl_coef > 0:   # the KL's reference: the policy as GRPO starts it, after the cold start (the authors' τ run:
+        # --ref-load is the SFT checkpoint), so the penalty keeps RL near what the cold start taught; frozen
+        ref_model, _ = load_policy(rft_dir if use_rft else parent, device, a.attn)
+        ref_model = shard(ref_model.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.cpu_offload)
     steps = a.steps_by_domain[domain]
     resume_path = run_files(out)[0]
     grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model, out=out)
@@ -386,13 +398,12 @@ def run_stage(i, domain, parent, a, device, env):
 
 
 def save(policy, tok, out, a, domain, i, parent, extra):
-    sd = full_state_dict(policy)
-    if rank() == 0:
-        meta = dict(method="oracle" if a.oracle else "seq", stage=domain, parent=os.path.abspath(parent),
-                    curriculum=a.curriculum, curriculum_position=i, step=a.steps_by_domain[domain], seed=a.seed,
-                    recipe=recipe(a, domain), config=vars(a) | dict(env_opts=a.env_opts), **extra)
-        save_checkpoint(out, policy, tok, meta, state_dict=sd, dtype=SAVE_DTYPES[a.save_dtype])
-        print0(f"saved {out}")
+    """Every rank: the stage's checkpoint (common.save_policy: written by rank 0, a barrier after it)."""
+    meta = dict(method="oracle" if a.oracle else "seq", stage=domain, parent=os.path.abspath(parent),
+                curriculum=a.curriculum, curriculum_position=i, step=a.steps_by_domain[domain], seed=a.seed,
+                recipe=recipe(a, domain), config=vars(a) | dict(env_opts=a.env_opts), **extra)
+    save_policy(out, policy, tok, meta, dtype=SAVE_DTYPES[a.save_dtype])
+    print0(f"saved {out}")
 
 
 def evaluate_stage(model, tok, out, a, seconds, backend=None):

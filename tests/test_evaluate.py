@@ -308,6 +308,18 @@ def test_bad_input_stops_before_anything_is_written(micro, tmp_path, monkeypatch
     assert os.listdir(tmp_path / "runs" / "tiny") == ["base"]
 
 
+def test_an_8b_checkpoint_with_the_hf_backend_on_the_cpu_is_refused(micro, tmp_path, monkeypatch, capsys):
+    model, tok = micro
+    ckpt = tmp_path / "runs" / "qwen3-8b" / "base"
+    save_checkpoint(str(ckpt), model, tok, {"method": "test"})
+    monkeypatch.setattr(evaluate, "HF_CPU_MAX_GB", 0.0)   # the micro model stands for 16 GB of weights
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "--ckpt", str(ckpt), "--backend", "hf"])
+    with pytest.raises(SystemExit) as e:
+        evaluate.main()
+    assert e.value.code == 2 and "run --backend vllm on a GPU" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "runs" / "qwen3-8b") == ["base"]
+
+
 def test_cli_checkpoint_outside_runs_needs_out_dir(micro, tmp_path, monkeypatch, capsys):
     model, tok = micro
     save_checkpoint(str(tmp_path / "ck"), model, tok, {"method": "test"})

@@ -367,3 +367,14 @@ def test_a_teacher_that_fails_drops_and_counts_its_episodes_and_all_failing_stop
     r = run([*args, "--teachers", f"math={nan},search={nan}", "--out", out])
     assert r.returncode == 1 and "every episode of step 1 was dropped" in r.stderr, r.stderr[-3000:]
     assert not os.path.exists(out)
+
+
+def test_the_default_student_is_the_recorded_seq_final(tmp_path):
+    """--domains math,search,ecommerce (the authors' three-teacher run) distils into Seq-Final, the last stage of the
+    four-stage curriculum the sequential run recorded, never silently into Seq-Ecom."""
+    curriculum = ["math", "search", "ecommerce", "if"]
+    for i, d in enumerate(curriculum, 1):
+        (tmp_path / "seq" / f"{i}-{d}").mkdir(parents=True)
+        (tmp_path / "seq" / f"{i}-{d}" / "acl_meta.json").write_text(json.dumps(dict(method="seq", curriculum=curriculum)))
+    assert mmopd.seq_final(str(tmp_path), ["math", "search", "ecommerce"]) == str(tmp_path / "seq" / "4-if")
+    assert mmopd.seq_final(str(tmp_path / "none"), ["math", "search"]) == str(tmp_path / "none" / "seq" / "2-search")

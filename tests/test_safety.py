@@ -272,3 +272,15 @@ def test_check_install_names_what_does_not_work(monkeypatch, capsys):
     assert "vllm          0.9.0: NOT usable (RuntimeError: vllm 0.9.0 is too old" in out
     assert "flash-attn    2.8.3.post2: does NOT import" in out
     assert out.count("problem: ") == 2 and "install ok" not in out
+    # GPUs torch cannot use (a CPU wheel, or a driver too old for its CUDA), and a package that is installed but does
+    # not import (peft here): each a problem
+    import envs.rollout
+    monkeypatch.setattr(md, "version", real)
+    monkeypatch.delitem(sys.modules, "vllm")
+    monkeypatch.setattr(envs.rollout, "nvidia_devices", lambda: ["nvidia0", "nvidia1"])
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(SystemExit) as e:
+        train_seq.main(["--check-install"])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and "NVIDIA GPUs (nvidia0, nvidia1) but torch" in out and "driver >= 580" in out
+    assert "peft" in out and "does NOT import" in out and out.count("problem: ") == 2

@@ -193,8 +193,10 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     assert not os.path.exists(os.path.join(runs, "seq", ".resume-2-search"))
     # metrics.jsonl beside each stage: the resumed stage's steps each exactly once (the killed attempt's step 2, never
     # saved, is not kept twice)
-    steps = [json.loads(x)["step"] for x in open(os.path.join(runs, "seq", "2-search.metrics.jsonl"))]
-    assert steps == list(range(1, meta["step"] + 1)), steps
+    rows = [json.loads(x) for x in open(os.path.join(runs, "seq", "2-search.metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(1, meta["step"] + 1)), rows
+    for r in rows:   # what a first-day run is watched by
+        assert r["grad_norm"] >= 0 and r["entropy"] > 0 and r["response_tokens"] > 0 and 0 <= r["truncated"] <= 1, r
     res = json.load(open(os.path.join(runs, "eval", "inrun", "seq-2-search.json")))["benchmarks"]
     assert not os.path.exists(os.path.join(runs, "eval", "seq-2-search.json"))   # evaluate.py's name stays free
     assert {"math/test", "search/ood", "ecommerce/test", "if/ood"} <= set(res)
@@ -304,6 +306,26 @@ def test_a_kill_during_the_inrun_evaluation_is_redone_on_restart(micro_base, tmp
     assert os.path.isfile(os.path.join(runs, "eval", "inrun", "seq-1-if.json"))
 
 
+def test_the_kl_reference_is_the_policy_after_the_cold_start(micro_base, tmp_path, monkeypatch):
+    """--kl-coef on an agentic stage: the reference GRPO's KL pulls toward is the cold start's checkpoint (the authors'
+    --ref-load is their SFT checkpoint), not the stage's parent (it was, and undid the cold start)."""
+    from safetensors.torch import load_file
+    runs, seen = str(tmp_path / "runs"), {}
+    real = train_seq.grpo
+
+    def grpo(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model=None, **kw):
+        seen["ref"] = {k: v.clone() for k, v in ref_model.state_dict().items()}
+        return real(policy, tok, backend, env, domain, a, stage_name, steps, resume_path, ref_model, **kw)
+    monkeypatch.setattr(train_seq, "grpo", grpo)
+    train_seq.main(["--init", micro_base, "--runs", runs, "--curriculum", "search", *FAST, "--eval-n", "0",
+                    "--kl-coef", "0.1", "--steps", "1", "--max-tokens", "1536", "--max-turn-tokens", "256"])
+    rft = load_file(os.path.join(runs, "seq", "1-search-rft", "model.safetensors"))
+    parent = load_file(os.path.join(micro_base, "model.safetensors"))
+    assert any(not torch.equal(rft[k], parent[k]) for k in rft)          # the cold start moved the weights
+    for k, v in rft.items():
+        assert torch.equal(seen["ref"][k].to(v.dtype), v), k
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, monkeypatch, capsys):
     runs = str(tmp_path / "runs")
     real = train_seq.grpo_loss
@@ -329,20 +351,22 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, mon
     assert not os.path.exists(os.path.join(runs, "seq", "2-search"))
 
 
-def test_torchrun_two_ranks_end_to_end(micro_base, tmp_path):
-    """The whole stage under torchrun on 2 CPU ranks: FSDP2 policy, an hf engine per rank refreshed by
-    the weight push, RFT, GRPO, the checkpoint gathered to rank 0, the evaluation on rank 0."""
+def test_torchrun_two_ranks_two_stages_with_a_slow_writer(micro_base, tmp_path):
+    """Two stages under torchrun on 2 CPU ranks: FSDP2 policy, an hf engine per rank refreshed by the weight push, RFT,
+    GRPO, the checkpoint gathered to rank 0, the evaluation on rank 0; every checkpoint write on rank 0 takes 4 s
+    longer (tests/dist_slow_write.py), as at 8B, so rank 1 reaches the next stage's load (and GRPO after the cold
+    start's save) long before rank 0 has written what it loads: it must wait (it died there before)."""
     runs = str(tmp_path / "runs")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(ROOT, "train_seq.py"), "--init", micro_base, "--runs", runs, "--curriculum",
-                        "search", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        os.path.join(ROOT, "tests", "dist_slow_write.py"), "4", "--init", micro_base, "--runs", runs,
+                        "--curriculum", "math,search", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "2 process(es)" in r.stdout and "[seq/1-search] step 2/2" in r.stdout
+    assert "2 process(es)" in r.stdout and "[seq/1-math] step 2/2" in r.stdout and "[seq/2-search] step 2/2" in r.stdout
     from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained(os.path.join(runs, "seq", "1-search"))
+    AutoModelForCausalLM.from_pretrained(os.path.join(runs, "seq", "2-search"))
     # rank 0's unsharded engine copy also scores the expert's episodes (the gold log-likelihood)
-    rec = json.load(open(os.path.join(runs, "eval", "inrun", "seq-1-search.json")))
+    rec = json.load(open(os.path.join(runs, "eval", "inrun", "seq-2-search.json")))
     assert all("gold" in b for b in rec["benchmarks"].values())
 
 
