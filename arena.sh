@@ -47,6 +47,13 @@ fi
 N_EVAL=${N_EVAL:-$N_EVAL_DEFAULT}
 [ "$ARENA" = tiny ] || N_EVAL=""
 
+BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory, the --init of every stage and
+                           # oracle and SDFT's student (so 16 ranks never hit the hub at once); merge.py and analyze.py
+                           # read it: `huggingface-cli download Qwen/Qwen3-8B-Base --local-dir runs/qwen3-8b/base`
+if [ "$ARENA" != tiny ] && [ ! -f "$BASE/config.json" ]; then
+    echo "BASE=$BASE: no model there; download the base once: huggingface-cli download Qwen/Qwen3-8B-Base --local-dir $BASE" >&2
+    exit 2
+fi
 # every step's wall time: `t NAME command...` runs it and appends "NAME seconds" to $TIMES; the table prints at the end
 mkdir -p "$RUNS/logs"
 TIMES=$RUNS/arena_times.txt
@@ -65,6 +72,9 @@ for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
 t() {
     local name=$1 s rc=0 i n=0 pid last="" line k=0; shift; s=$(date +%s)
     for i in "${!STEPS[@]}"; do [ "${STEPS[$i]}" = "$name" ] && n=$((i + 1)); done
+    # several nodes (full scale, NODE_RANK set): a torchrun step runs on every node, a plain-python one (merge,
+    # analyze, evaluate, report) on node 0 alone, which reads and writes runs/ on the filesystem both nodes share
+    if [ "${NODE_RANK:-0}" != 0 ] && [ "$1" = python ]; then echo "[$(date +%H:%M:%S)] $name: node 0's step"; return 0; fi
     echo "[$(date +%H:%M:%S)] [$n/${#STEPS[@]}] $name: started$([ "$LANES" -gt 1 ] && echo " (log: $RUNS/logs/$name.log)")"
     if [ "$LANES" -gt 1 ]; then
         # the step writes to its log; every PROGRESS seconds its newest progress line (step i/n, checkpoint i/n, with
@@ -98,7 +108,6 @@ lanes() {
 
 SEEDS=${SEEDS:-1}   # training seeds: the whole study once per seed (seed 0 in $RUNS, seed s in $RUNS-seed<s>, step 9)
 SEED=${SEED:-0}     # this study's training seed, passed to every training script (step 9 sets it for $RUNS-seed<s>)
-BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory (merge.py, analyze.py read it)
 # 1. the base: the committed reference base (assets/tiny-base: BPE tokenizer + ~1M-parameter Qwen3, an induction
 #    drill, then pre-training on the worlds' text and noisy demos), the tiny counterpart of downloading
 #    Qwen3-8B-Base (seconds). `python -m envs.tiny --out runs/tiny/base` rebuilds it (~12.5 min; float
@@ -108,7 +117,8 @@ BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's direct
 Q_SEQ="--runs $RUNS --seed $SEED $Q_SEQ" Q_SDFT="--runs $RUNS --seed $SEED $Q_SDFT"
 Q_MMOPD="--runs $RUNS --seed $SEED $Q_MMOPD" Q_MLE="--runs $RUNS --seed $SEED $Q_MLE"
 # (tiny: no 30-task evaluation after each stage, --eval-n 0: step 8 evaluates every stage and oracle on 300 tasks)
-if [ "$ARENA" = tiny ]; then Q_SEQ="--init $RUNS/base --eval-n 0 $Q_SEQ" Q_SDFT="--student $RUNS/base $Q_SDFT"; fi
+if [ "$ARENA" = tiny ]; then Q_SEQ="--init $RUNS/base --eval-n 0 $Q_SEQ" Q_SDFT="--student $RUNS/base $Q_SDFT"
+else Q_SEQ="--init $BASE $Q_SEQ" Q_SDFT="--student $BASE $Q_SDFT"; fi
 # 2. the sequential run math -> search -> ecommerce -> if (~6 min), and
 # 3. the four single-task oracles, each one stage from the base (~6 min), side by side
 seq_run() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS; }
