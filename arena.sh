@@ -13,6 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 export TOKENIZERS_PARALLELISM=false
 ARENA=${ARENA:-tiny}
+# the project's own Python (.venv/, set up the first time: ~1 min); at full scale the environment setup_gpu.sh built, as
+# it is (ACL_VENV=0), or ACL_PYTHON=/path/to/python
+[ "$ARENA" = tiny ] || ACL_VENV=${ACL_VENV:-0}
+source ./venv.sh
 QUICK=${QUICK:-0}       # 1: the whole study reduced to a smoke test (a step or two per stage, 10 tasks per split, ~3
                         # min) in runs/tiny-quick; its numbers mean nothing, it checks that every step runs and connects
 SUFFIX=""; if [ "$QUICK" = 1 ]; then SUFFIX=-quick; fi   # (a failing `[ ] &&` here would end the script: set -e)

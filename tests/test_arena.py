@@ -4,6 +4,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -14,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def arena(runs, **kw):
-    env = dict(os.environ, QUICK="1", RUNS=str(runs), TOKENIZERS_PARALLELISM="false", PROGRESS="4", **kw.pop("env", {}))
+    # this interpreter, as it is (venv.sh's ACL_PYTHON): the suite's own environment, whatever set it up
+    env = dict(os.environ, QUICK="1", RUNS=str(runs), TOKENIZERS_PARALLELISM="false", PROGRESS="4",
+               ACL_PYTHON=sys.executable, **kw.pop("env", {}))
     return subprocess.Popen(["bash", "arena.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **kw)
 
@@ -97,7 +100,7 @@ def test_the_default_arena_gets_past_its_settings(quick_flag):
     """The default study (QUICK and RUNS unset) reaches its checks: an unknown ARENA is refused with its line, exit 2,
     before anything is written (a `[ ] &&` that failed under set -e once ended `bash arena.sh` silently, status 1)."""
     env = {k: v for k, v in os.environ.items() if k not in ("QUICK", "RUNS")}
-    env.update(ARENA="nowhere", TOKENIZERS_PARALLELISM="false", **({} if quick_flag is None else {"QUICK": quick_flag}))
+    env.update(ACL_PYTHON=sys.executable, ARENA="nowhere", TOKENIZERS_PARALLELISM="false", **({} if quick_flag is None else {"QUICK": quick_flag}))
     r = subprocess.run(["bash", "arena.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "ARENA=nowhere: tiny or qwen3-8b" in r.stderr, (r.returncode, r.stderr)
     assert not os.path.exists(os.path.join(ROOT, "runs", "nowhere"))
