@@ -71,7 +71,9 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
       it, and the adapter's A_r = rank x (in + out) per target projection, sharded, 16 A_r; its KL reference is the
       same weights with the adapter off (no second model).
     vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
-    --vllm-gpu-util of the GPU while generating, so it is listed apart."""
+    --vllm-gpu-util of the GPU while generating, so it is listed apart; at its wake (envs.rollout.wake_and_push) the
+    training step's memory is released first, then its bf16 weights come back beside the sharded state and take the
+    push, then its KV cache: the three steps' peaks are printed, and the tightest named."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     from transformers import AutoModelForCausalLM
     cfg = model_config(init)
@@ -143,9 +145,18 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
             mem.get(teacher_key, 0)
         print(f"  {'vLLM while generating (--vllm-gpu-util)':<38} {gb(vllm):8.2f} GiB  (asleep while training)")
         print(f"  {'generation total (vLLM + sharded state)':<38} {gb(generating):8.2f} GiB")
-    peak = max(total, generating)
+    wake = 0.0
+    if vllm:   # wake_and_push: the allocator's cache freed, the engine's bf16 weights back, then the push gathers one
+        # full fp32 parameter at a time into them; the KV cache comes back after (the generation total)
+        wake = mem[state_key] + mem["reference model"] + mem.get(teacher_key, 0) + 2 * n_total + \
+            4 * max(math.prod(s) for s in shapes)
+        print(f"  {'at the wake (vLLM weights + the push)':<38} {gb(wake):8.2f} GiB  (then the KV cache: the "
+              f"generation total; without freeing the allocator's cache first, the training total + vLLM: "
+              f"{gb(total + vllm):.1f} GiB)")
+    steps = {"training": total, "the wake": wake, "generation": generating}
+    peak = max(steps.values())
     verdict = "fits" if peak < gpu_gb * 2**30 else "does NOT fit"
-    print(f"peak {gb(peak):.1f} GiB: {verdict} in a {gpu_gb:.0f} GiB GPU")
+    print(f"peak {gb(peak):.1f} GiB at {max(steps, key=steps.get)}: {verdict} in a {gpu_gb:.0f} GiB GPU")
     print(f"resolved config: {vars(a)}")
-    return dict(n_params=n_total, n_lora=n_lora if lora else 0, per_rank=per_rank, memory=mem, total=total, generating=generating, peak=peak,
-                fits=verdict == "fits")
+    return dict(n_params=n_total, n_lora=n_lora if lora else 0, per_rank=per_rank, memory=mem, total=total,
+                generating=generating, wake=wake, peak=peak, fits=verdict == "fits")

@@ -32,6 +32,10 @@ def test_dry_run_qwen3_8b(tmp_path, capsys):
     assert max(out["per_rank"]) - min(out["per_rank"]) < out["n_params"] / 16 * 0.01
     assert out["memory"]["weights+grads+adam (fp32, sharded)"] == 16 * max(out["per_rank"])
     assert out["fits"] and "fits in a 141 GiB GPU" in text
+    # the wake: the sharded state and vLLM's bf16 weights (2 bytes a parameter) plus the largest gathered parameter
+    state = out["memory"]["weights+grads+adam (fp32, sharded)"] + out["memory"]["reference model"]
+    assert state + 2 * out["n_params"] < out["wake"] < state + 2 * out["n_params"] + 4 * 151_936 * 4096 + 1
+    assert out["peak"] == max(out["total"], out["wake"], out["generating"]) and "peak 78.1 GiB at generation" in text
     assert "parameters per rank" in text and "resolved config" in text
     assert not os.path.exists(tmp_path / "runs")            # nothing written, nothing downloaded
 
