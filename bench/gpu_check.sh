@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The one-GPU check, prepared for a lent H200 (torch, transformers and peft; no vllm, flash-attn or internet), within
+# 8 minutes, its log in $OUT/gpu_check.log (OUT: the device tool's output folder; default runs/gpu_check):
+#   1. the install check (train_seq.py --check-install: the GPU, NCCL, bf16, every package imports);
+#   2. the GPU tier of the tests (tests/test_gpu.py, pytest -m gpu): the collective helpers, a GRPO update and a DCP
+#      resume round trip under torchrun on NCCL; two stages handed off under torchrun with rank 0's writes slowed;
+#      bf16 log-probs against the fp32 reference; the hf backend's kept-cache decoding against full re-prefill;
+#   3. bench/gpu.sh's step figures: GRPO update tokens/s and MFU against the nominal and the measured bf16 matmul peak,
+#      LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s.
+#   bash bench/gpu_check.sh           # on a GPU
+#   bash bench/gpu_check.sh --cpu     # every step at smoke size on the CPU (CI runs it): checks this script, not a GPU
+# Each step runs whatever the one before did; the summary names the failed ones; exit 1 if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+CPU=0; [ "${1:-}" = --cpu ] && CPU=1
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+: > "$LOG"
+FAILED=()
+step() {   # step NAME command...: runs it, its output into the log and on the terminal, its time and status after
+    local name=$1 s rc; shift; s=$(date +%s)
+    echo "== $name: $*" | tee -a "$LOG"
+    "$@" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc in $(( $(date +%s) - s )) s" | tee -a "$LOG"
+    [ "$rc" = 0 ] || FAILED+=("$name")
+}
+echo "gpu_check $(date '+%Y-%m-%d %H:%M') at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), cpu mode $CPU" | tee -a "$LOG"
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+if [ "$CPU" = 1 ]; then
+    export ACL_TEST_DEVICE=cpu OMP_NUM_THREADS=1
+    step install python train_seq.py --check-install
+    step gpu-tier python -m pytest -q -m gpu tests/test_gpu.py
+    step step-figures python bench/gpu_step.py --smoke --lora 4
+else
+    step install python train_seq.py --check-install
+    step gpu-tier timeout 240 python -m pytest -q -m gpu tests/test_gpu.py
+    step step-figures timeout 300 bash bench/gpu.sh
+fi
+if [ ${#FAILED[@]} = 0 ]; then echo "gpu_check: every step passed (log: $LOG)" | tee -a "$LOG"; exit 0; fi
+echo "gpu_check: FAILED: ${FAILED[*]} (log: $LOG)" | tee -a "$LOG"
+exit 1
