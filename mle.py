@@ -373,7 +373,10 @@ def router(path: str, kind: str, tok, mix: bool = False):
         raise UsageError(f"{path} has no learned router ({saved_path}): python mle.py --router learned --out {path}")
     if tok is None:
         return None
-    saved = torch.load(saved_path, weights_only=True)
+    try:   # tensors and plain values only: a crafted pickle in a runs directory must not run code
+        saved = torch.load(saved_path, weights_only=True)
+    except Exception as e:
+        raise UsageError(f"{saved_path} is not a router this project saved ({type(e).__name__}): refused") from None
     r = Router(saved["dim"], saved["domains"])
     r.load_state_dict(saved["state"])
     model, _ = load_policy(backbone_of(path), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -532,7 +535,7 @@ def main(argv=None):
         # so that the evaluations made after them stay valid (evaluate.py --resume compares file times)
         if a.router == "learned":
             saved = os.path.join(a.out, "router.pt")
-            old = torch.load(saved, weights_only=False) if not trained and os.path.isfile(saved) else {}
+            old = torch.load(saved, weights_only=True) if not trained and os.path.isfile(saved) else {}
             if [old.get(k) for k in ("domains", "prompts", "steps")] == [a.domains, a.router_prompts, a.router_steps]:
                 print0(f"[mle] learned router: {saved} kept (nothing retrained)")
             else:

@@ -337,7 +337,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         if metrics:   # what a first-day run is watched by: reward, response length and truncation, the update's
             # gradient norm (before the clip), the policy's entropy and its KL to the reference (the last minibatch's)
             metrics.log(dict(stage=stage_name, step=step, reward=reward, kept_groups=n_kept // a.group, loss=loss,
-                             clip=clip_frac, grad_norm=st.get("grad_norm"), entropy=st.get("entropy"), kl=st.get("kl"),
+                             clip=clip_frac, grad_norm=st.get("grad_norm"), weight_change=st.get("weight_change"),
+                             entropy=st.get("entropy"), kl=st.get("kl"),
                              response_tokens=n_resp, truncated=n_trunc, gen_seconds=round(t_gen, 2),
                              gen_tok_s=round(tok_s, 1), step_seconds=round(dt, 2)))
         if a.save_every and step % a.save_every == 0 and step < steps:

@@ -114,7 +114,8 @@ def check_shared_flags(a):
                     (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.grad_clip > 0, "--grad-clip must be > 0"),
                     (a.micro_tokens >= 1, "--micro-tokens must be >= 1"),
                     (a.dist_timeout > 0, "--dist-timeout must be > 0 (minutes)"),
-                    (a.temperature > 0, "--temperature must be > 0 for training")]:
+                    (a.temperature > 0, "--temperature must be > 0 for training"),
+                    (getattr(a, "threads", None) is None or a.threads >= 1, "--threads must be >= 1")]:
         if not ok:
             raise UsageError(msg)
     check_wandb(a.wandb)
@@ -394,8 +395,10 @@ def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "tok
     because FSDP averages gradients over ranks: N ranks give the same update as one process on the whole batch.
     extras: {name: one value per episode}, cut per micro-batch for loss_fn. gather: the name of an extras entry of
     token ids per completion token (T, k) at which loss_fn also needs the policy's log-probs: x[gather + "_logp"].
-    -> (loss over the global batch, {statistic: token-mean over the global batch, grad_norm: before the clip}).
-    Raises FloatingPointError, before the weights change, on a non-finite loss or gradient norm."""
+    -> (loss over the global batch, {statistic: token-mean over the global batch, grad_norm: before the clip,
+    weight_change: |change of the trained weights' norm| / that norm}); FloatingPointError on a non-finite loss,
+    gradient or weight (before the weights change, for the loss and the gradient), or a weight_change above
+    MAX_WEIGHT_CHANGE."""
     extras = extras or {}
     pad, dev = pad_id(model), next(model.parameters()).device
     micro = micro_batches(episodes, micro_batch, micro_tokens)
@@ -439,9 +442,29 @@ def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "tok
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not math.isfinite(norm):
         raise FloatingPointError(f"non-finite gradient norm {norm}")
+    before = weight_norm(model)
     opt.step()
     check_finite(model, "after the optimizer step")
-    return total, {k: all_reduce_sum(v) / max(n_tok, 1.0) for k, v in sums.items()} | {"grad_norm": norm}
+    change = abs(weight_norm(model) - before) / max(before, 1e-12)
+    if change > MAX_WEIGHT_CHANGE:
+        raise FloatingPointError(f"the update changed the trained weights' norm by {change:.3g} of itself (the bound is "
+                                 f"{MAX_WEIGHT_CHANGE:g}): a finite blow-up")
+    return total, {k: all_reduce_sum(v) / max(n_tok, 1.0) for k, v in sums.items()} | {"grad_norm": norm,
+                                                                                       "weight_change": change}
+
+
+# The most one update may change the trained weights' norm, relative to it, before a run stops as diverged. AdamW
+# moves each weight by about lr per step whatever the gradient's scale, so a sane step at lr <= 1e-2 changes the norm
+# by a small fraction of itself (the tiny arena's steps: well under 1%); a step that doubles it or wipes it out is a
+# blow-up that stayed finite (lr 1e6: weights of 1e6 where the base's largest is 1.7), which check_finite cannot see.
+MAX_WEIGHT_CHANGE = 1.0
+
+
+def weight_norm(model) -> float:
+    """The L2 norm of the weights that train (every rank's shards, summed over ranks)."""
+    sq = sum(float((p.to_local() if hasattr(p, "to_local") else p).detach().float().pow(2).sum())
+             for p in model.parameters() if p.requires_grad)
+    return math.sqrt(all_reduce_sum(sq))
 
 
 @torch.no_grad()

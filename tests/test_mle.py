@@ -257,6 +257,30 @@ def test_evaluate_routes_by_tag_and_by_the_learned_router(done, tmp_path):
         assert rec["benchmarks"]["math/test"]["n"] == 3 and "gold" in rec["benchmarks"]["math/test"]
 
 
+class Payload:
+    """A pickle that would create a file when unpickled without weights_only."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+def test_a_router_file_with_a_pickled_payload_is_refused(done, tmp_path):
+    import shutil
+
+    import mle
+    from common import UsageError
+    out, _ = done
+    crafted = str(tmp_path / "mle")
+    shutil.copytree(out, crafted)
+    marker = str(tmp_path / "pwned")
+    torch.save({"dim": 8, "domains": ["math"], "state": Payload(marker)}, os.path.join(crafted, "router.pt"))
+    with pytest.raises(UsageError, match="is not a router this project saved"):
+        mle.router(crafted, "learned", object())
+    assert not os.path.exists(marker)
+
+
 def test_a_task_whose_tag_has_no_expert_and_a_missing_expert_fail_with_one_line(done, tmp_path):
     out, _ = done
     _, tok = load_policy(TINY, "cpu")

@@ -234,6 +234,7 @@ def test_oracle_writes_oracle_dirs(micro_base, tmp_path):
     (["--steps", "math=3"], "search"),
     (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
     (["--save-dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--threads", "-1"], "--threads must be >= 1"),
     pytest.param(["--wandb", "aclarena"], "--wandb needs the wandb package",
                  marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")),
 ])
@@ -288,6 +289,17 @@ def test_divergence_stops_saves_nothing_nonfinite_and_is_not_continued(micro_bas
     assert len(states) == 1   # the state saved before the divergence was read too
     r = run_cli(args)
     assert r.returncode == 2 and "diverged in an earlier run" in r.stderr
+
+
+def test_a_finite_blow_up_stops_and_saves_nothing(tmp_path):
+    """lr 1e6: every weight finite, but up to 1e6 in size (it passed as a finished stage before): the first update
+    changes the weights' norm by far more than MAX_WEIGHT_CHANGE, and the run stops in one line, saving nothing."""
+    runs = str(tmp_path / "runs")   # the tiny base: its math groups' rewards differ, so there is a gradient
+    r = run_cli(["--init", os.path.join(ROOT, "assets", "tiny-base"), "--runs", runs, "--curriculum", "math", *FAST,
+                 "--eval-n", "0", "--steps", "3", "--prompts", "8", "--group", "4", "--lr", "1e6"])
+    last = r.stderr.strip().splitlines()[-1]   # (transformers' loading bars above it)
+    assert r.returncode != 0 and last.startswith("error: [seq/1-math] GRPO step 1: ") and "a finite blow-up" in last
+    assert not os.path.exists(os.path.join(runs, "seq", "1-math", "model.safetensors"))
 
 
 def test_a_kill_during_the_inrun_evaluation_is_redone_on_restart(micro_base, tmp_path, monkeypatch):
