@@ -267,14 +267,31 @@ def full_params(model, trainable_only: bool = False):
 
 # ----------------------------------------------------------------------------- files and checkpoints
 
+def fsync(path: str):
+    """Flush a file, or a directory's entries and every file in it, to the disk: a rename that follows is then never
+    the name of an empty or half-written file after a crash (on filesystems that may reorder the two)."""
+    paths = [os.path.join(path, f) for f in os.listdir(path)] + [path] if os.path.isdir(path) else [path]
+    for p in paths:
+        if os.path.isdir(p) and p != path:
+            continue
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def write_file_atomically(path: str, write, suffix: str = "") -> str:
-    """Call write(tmp) on a temporary sibling file, then rename it to `path`: a reader never sees half a file.
-    suffix: the temporary file's extension, for writers that pick the format from it (matplotlib)."""
+    """Call write(tmp) on a temporary sibling file, fsync it, then rename it to `path` (and fsync the directory): a
+    reader never sees half a file, nor a crash an empty one. suffix: the temporary file's extension, for writers that
+    pick the format from it (matplotlib)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}{suffix}"
     try:
         write(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
+        fsync(os.path.dirname(os.path.abspath(path)))
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -522,7 +539,8 @@ def code_revision() -> str:
 
 
 def write_atomically(out_dir: str, write) -> str:
-    """Call write(tmp) on a temporary sibling directory, then rename it to out_dir: a half-written checkpoint
+    """Call write(tmp) on a temporary sibling directory, fsync it, then rename it to out_dir (and fsync the parent):
+    a half-written checkpoint
     never exists under its final name, and an existing one is replaced only after the new one is whole, and only
     if it is a checkpoint this project wrote (acl_meta.json) or an empty directory (scripts check their targets
     with check_output before any work; this is the last line of defence)."""
@@ -533,6 +551,7 @@ def write_atomically(out_dir: str, write) -> str:
     os.makedirs(tmp)
     try:
         write(tmp)
+        fsync(tmp)
         old = None
         if os.path.lexists(out_dir):
             if not os.path.isdir(out_dir) or (os.listdir(out_dir) and not read_meta(out_dir)):
@@ -540,6 +559,7 @@ def write_atomically(out_dir: str, write) -> str:
             old = tmp + ".old"
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)
+        fsync(parent)
         if old:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -714,6 +714,9 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     import json
 
     from evaluate import matrix_table
+    if os.path.lexists(out) and (not os.path.isfile(out) or not open(out, errors="replace").readline().startswith(
+            "# ACLArena report")):
+        raise UsageError(f"--out {out} exists and is not a report this script wrote: not replacing it")
     all_runs = [runs, *seed_runs]
     recs_by_seed = []
     for r in all_runs:

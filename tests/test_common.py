@@ -30,6 +30,25 @@ def test_save_checkpoint_is_atomic(micro, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]                               # no temporary left behind
 
 
+def test_atomic_writes_are_flushed_to_disk_before_their_rename(micro, tmp_path, monkeypatch):
+    """fsync of every written file and of the directory before the rename, and of the parent after it: a crash leaves
+    the old file or the whole new one, never an empty one under the final name."""
+    model, tok = micro
+    synced, renames = [], []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(os, "rename", lambda a, b: renames.append((b, len(synced))) or real_rename(a, b))
+    monkeypatch.setattr(os, "replace", lambda a, b: renames.append((b, len(synced))) or real_replace(a, b))
+    common.save_checkpoint(str(tmp_path / "ckpt"), model, tok, {"method": "test"})
+    (_, n_before), = [r for r in renames if r[0] == str(tmp_path / "ckpt")]
+    before = synced[:n_before]
+    assert any(p.endswith("model.safetensors") for p in before) and any(p.endswith("acl_meta.json") for p in before)
+    assert synced[-1] == str(tmp_path)   # the parent, after the rename
+    synced.clear()
+    common.save_json(str(tmp_path / "x.json"), {"a": 1})
+    assert synced[0].startswith(str(tmp_path / "x.json.tmp-")) and synced[-1] == str(tmp_path)
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_sharded_resume_state_restarts_on_two_ranks_and_on_one(tmp_path, mode):
     """save_train_state under FSDP2 on 2 ranks writes one DCP shard file per rank (no gather); loading it on 2 ranks

@@ -224,6 +224,16 @@ def test_a_null_table_shows_nothing():
     assert [got[i] for i in (8, 9, 10)] == ["not measurable here"] * 3   # no analysis in a table of scores
 
 
+def test_out_replaces_only_a_report(run, tmp_path):
+    notes = tmp_path / "README.md"
+    notes.write_text("# my notes\n")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "report.py"), "--runs", str(run), "--out", str(notes)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "is not a report this script wrote" in r.stderr and notes.read_text() == "# my notes\n"
+    report.report(str(run), str(tmp_path / "r.md"))
+    report.report(str(run), str(tmp_path / "r.md"))   # its own report: replaced
+
+
 def test_finding_6_first_but_within_noise_is_not_shown(run):
     """MLE first by a margin the bootstrap cannot separate from 0: "not shown", never "not measurable here"."""
     full_record(run / "eval" / "mmopd.json", dict(zip(ALL, (0.6, 0.6, 0.6, 0.59))))   # 59 of MLE's 60 IF tasks
