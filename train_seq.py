@@ -130,10 +130,11 @@ def grpo_loss(logp, b, x, a):
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
                  prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr="2e-4", kl_coef="0", loss="grpo",
-                 cold_start="expert", rft_prompts="search=256,ecommerce=96", rft_samples=4, rft_epochs=2, rft_lr=1e-3,
+                 minibatches=1, cold_start="expert", rft_prompts="search=256,ecommerce=96", rft_samples=4, rft_epochs=2, rft_lr=1e-3,
                  eval_n=30, max_gen_rounds=2, math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
-                     group=8, lr="1e-6", kl_coef="math=0.01,search=0,ecommerce=0.1,if=0", loss="grpo", cold_start="self",
+                     group=8, lr="1e-6", kl_coef="math=0.01,search=0,ecommerce=0.1,if=0",
+                     loss="math=grpo,search=gspo,ecommerce=gspo,if=grpo", minibatches=2, cold_start="self",
                      rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, max_gen_rounds=3,
                      math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
 }
@@ -170,7 +171,7 @@ def stage_dir(a, i: int, domain: str) -> str:
 def recipe(a, domain: str) -> dict:
     """The settings a finished stage (and a resume state) must match to be used on a rerun: the recipe, and the
     stage's lineage: the starting checkpoint and the stages trained before it (an oracle has none)."""
-    keys = ("group", "minibatches", "clip_low", "clip_high", "agg", "loss", "tis_cap", "grad_clip", "dynamic_sampling",
+    keys = ("group", "minibatches", "clip_low", "clip_high", "agg", "tis_cap", "grad_clip", "dynamic_sampling",
             "max_gen_rounds", "temperature", "max_tokens", "max_turn_tokens", "rft_samples", "rft_epochs", "rft_lr",
             "seed")
     init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
@@ -178,15 +179,17 @@ def recipe(a, domain: str) -> dict:
     agentic = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
     return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
                 lr=a.lr_by_domain[domain], kl_coef=a.kl_by_domain[domain],
+                loss=per_domain("--loss", a.loss, [domain], str)[domain],
                 rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
                 expert_data=os.path.abspath(a.expert_data) if agentic and a.expert_data else None, init=init,
                 trained_after=before)
 
 
 def stage_args(a, domain: str):
-    """A copy of the run's arguments with this stage's own learning rate and KL coefficient as plain numbers."""
+    """A copy of the run's arguments with this stage's own learning rate, KL coefficient and loss as plain values."""
     return argparse.Namespace(**dict(vars(a), lr=per_domain("--lr", a.lr, [domain], float)[domain],
-                                     kl_coef=per_domain("--kl-coef", a.kl_coef, [domain], float)[domain]))
+                                     kl_coef=per_domain("--kl-coef", a.kl_coef, [domain], float)[domain],
+                                     loss=per_domain("--loss", a.loss, [domain], str)[domain]))
 
 
 def check_stage(a, i: int, domain: str):
@@ -423,12 +426,12 @@ def add_grpo_flags(p, preset: dict):
     p.add_argument("--prompts", default=preset["prompts"], help="prompts per GRPO step (global): N, or domain=N,...")
     p.add_argument("--group", type=int, default=preset["group"], help="GRPO group size G (samples per prompt)")
     p.add_argument("--lr", default=preset["lr"], help="GRPO learning rate (AdamW, constant): X, or domain=X,...")
-    p.add_argument("--loss", default=preset["loss"], choices=["grpo", "gspo"], help="importance ratio per token "
-                   "(GRPO/DAPO) or per sequence (GSPO, the authors' choice for search, ecommerce and LoRA runs)")
+    p.add_argument("--loss", default=preset["loss"], help="importance ratio per token (grpo: GRPO/DAPO) or per "
+                   "sequence (gspo: GSPO, the authors' choice for search, ecommerce and LoRA runs): NAME or domain=NAME,...")
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1 (ratio >= 1 - clip_low)")
     p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1 (DAPO clip-higher)")
-    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per rollout batch (PPO-style "
-                                                                  "minibatches; >1 makes the clip active)")
+    p.add_argument("--minibatches", type=int, default=preset.get("minibatches", 1), help="optimizer steps per "
+                   "rollout batch (PPO-style minibatches; >1 makes the clip active; the authors: 2)")
     p.add_argument("--kl-coef", default=preset["kl_coef"], help="k3 KL penalty to the stage's start (0 = off): X, or "
                    "domain=X,... (the authors: math 0.01, ecommerce 0.1)")
     p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the sampler/trainer importance weight")
@@ -445,6 +448,10 @@ def check_grpo_flags(a, domains: list):
     a.prompts_by_domain = per_domain("--prompts", a.prompts, domains)
     a.lr_by_domain = per_domain("--lr", a.lr, domains, float)
     a.kl_by_domain = per_domain("--kl-coef", a.kl_coef, domains, float)
+    a.loss_by_domain = per_domain("--loss", a.loss, domains, str)
+    bad = sorted(set(a.loss_by_domain.values()) - {"grpo", "gspo"})
+    if bad:
+        raise UsageError(f"--loss: {bad[0]!r} is neither grpo nor gspo")
     ws = a.world_size if a.dry_run else world_size()
     for ok, msg in [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
                     (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"),

@@ -56,9 +56,10 @@ def parse_domains(text: str) -> list:
 
 def per_domain(flag: str, text, domains, cast=int) -> dict:
     """'40' -> every domain 40; 'math=40,search=30' -> per domain (a curriculum domain not named, a domain named
-    twice or unknown, a value that is not a number: one-line error). cast: int (counts) or float (rates; finite)."""
+    twice or unknown, a value that is not a number: one-line error). cast: int (counts), float (rates; finite) or str
+    (names: --loss)."""
     import math
-    what = "N" if cast is int else "X"
+    what = "N" if cast is int else "NAME" if cast is str else "X"
     parts = [part.partition("=") for part in str(text).split(",")] if "=" in str(text) else []
     try:
         out = {k.strip(): cast(v) for k, _, v in parts} if parts else {d: cast(text) for d in domains}
@@ -72,7 +73,7 @@ def per_domain(flag: str, text, domains, cast=int) -> dict:
     missing = [d for d in domains if d not in out]
     if missing:
         raise UsageError(f"{flag} names no {'count' if cast is int else 'value'} for {', '.join(missing)}")
-    if any(not math.isfinite(v) for v in out.values()):
+    if cast is not str and any(not math.isfinite(v) for v in out.values()):
         raise UsageError(f"{flag} values must be finite; got {text!r}")
     return out
 
