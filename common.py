@@ -610,6 +610,17 @@ def save_policy(out_dir: str, model, tokenizer, meta, dtype=None):
     return out_dir
 
 
+def save_final(out_dir: str, model, tokenizer, meta: dict, dtype, t0: float):
+    """The end of a run that makes one checkpoint (sdft.py, mmopd.py), on every rank: save_policy, then its resume
+    state dropped and one line; a failed write stops the run in one line."""
+    try:
+        save_policy(out_dir, model, tokenizer, meta, dtype=dtype)
+    except OSError as e:
+        sys.exit(f"error: writing {out_dir} failed: {e}")
+    drop_train_state(out_dir)
+    print0(f"saved {out_dir} in {time.time() - t0:.0f}s")
+
+
 def tokenizer_hash(path: str) -> str:
     """A fingerprint of a checkpoint's tokenizer (its vocabulary and special tokens): two checkpoints whose token ids
     mean the same tokens have the same one."""

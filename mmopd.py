@@ -42,7 +42,6 @@ from common import (
     all_reduce_sum,
     check_output,
     check_run_files,
-    drop_train_state,
     eta,
     gather_mean,
     init_dist,
@@ -56,7 +55,7 @@ from common import (
     read_meta,
     remove_leftovers,
     run_files,
-    save_policy,
+    save_final,
     save_train_state,
     seed_all,
     shard,
@@ -452,12 +451,7 @@ def main(argv=None):
     meta = dict(method="mmopd", stage="mmopd", parent=os.path.abspath(a.student), curriculum_position=None,
                 step=a.steps, seed=a.seed, recipe=rec, teachers=rec["teachers"], tokenizer=a.tokenizer,
                 history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1))
-    try:
-        save_policy(a.out, policy, tok, meta, dtype=SAVE_DTYPES[a.save_dtype])
-    except OSError as e:
-        sys.exit(f"error: writing {a.out} failed: {e}")
-    drop_train_state(a.out)
-    print0(f"saved {a.out} in {time.time() - t0:.0f}s")
+    save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
     teardown()
 
 

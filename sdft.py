@@ -57,7 +57,6 @@ from common import (
     check_output,
     check_run_files,
     check_writable,
-    drop_train_state,
     eta,
     init_dist,
     is_checkpoint,
@@ -70,7 +69,7 @@ from common import (
     read_meta,
     remove_leftovers,
     run_files,
-    save_policy,
+    save_final,
     save_train_state,
     seed_all,
     shard,
@@ -519,12 +518,7 @@ def main(argv=None):
                 step=steps, seed=a.seed, recipe=rec, pool=os.path.abspath(a.pool_dir), pool_sizes=sizes,
                 quota=quota, config={k: v for k, v in vars(a).items() if k != "tok"},
                 seconds=round(time.time() - t0, 1))
-    try:
-        save_policy(a.out, policy, tok, meta, dtype=SAVE_DTYPES[a.save_dtype])
-    except OSError as e:
-        sys.exit(f"error: writing {a.out} failed: {e}")
-    drop_train_state(a.out)
-    print0(f"saved {a.out} in {time.time() - t0:.0f}s")
+    save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
     teardown()
 
 

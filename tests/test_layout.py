@@ -37,9 +37,9 @@ def test_the_method_files_stay_readable_in_size():
     --dry-run part moved to scale.py), common.py under ~700 (issue 22 added what an 8B run needs from plumbing:
     sharded resume states through torch.distributed.checkpoint, bf16 checkpoints, W&B logging, the process-group
     timeout). Raised once more by the 8B first day (issues 38, 45): train_seq.py to ~590 (the KL reference after the
-    cold start, the watched metrics, the wake order), common.py to ~740 (the backend map that serves CPU tensors on
-    GPUs, the one-GPU group, save_policy's barrier). The issue that rebuilds the house replaces this ratchet with the
-    layer rule."""
+    cold start, the watched metrics, the wake order), common.py to ~770 (the backend map that serves CPU tensors on
+    GPUs, the one-GPU group, save_policy's barrier, fsync before a rename). The issue that rebuilds the house
+    replaces this ratchet with the layer rule."""
     def n(name):
         return sum(1 for _ in open(os.path.join(ROOT, name)))
-    assert n("train_seq.py") <= 590 and n("common.py") <= 740 and n("train_step.py") <= 600 and n("scale.py") <= 600
+    assert n("train_seq.py") <= 590 and n("common.py") <= 770 and n("train_step.py") <= 600 and n("scale.py") <= 600
