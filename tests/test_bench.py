@@ -137,7 +137,8 @@ def test_gpu_step_smoke(tmp_path, args):
     ckpt = "--grad-ckpt" in args
     assert any(k.startswith(f"GRPO update: 4 sequences of 16+24 tokens, micro-batch 2, grad ckpt {ckpt}") for k in rows)
     assert float(rows["training tokens/s"][0].replace(",", "")) > 0
-    assert re.fullmatch(r"\d+\.\d%.*", rows["MFU (vs 989 TFLOP/s bf16 dense)"][0])
+    assert re.fullmatch(r"\d+\.\d%.*", rows["MFU (vs 989 TFLOP/s nominal bf16 dense)"][0])
+    assert "peak GPU memory, training: allocated, reserved" in rows
     assert float(rows["hf generation: 4 x (8 prompt + 8 new) tokens/s"][0].replace(",", "")) > 0
     lora = [v[0] for k, v in rows.items() if k.startswith("LoRA rank")]
     assert len(lora) == ("--lora" in args) and all(re.fullmatch(r"[\d,]+ \(\d+\.\d\dx full fine-tuning\), .*", x) for x in lora)
