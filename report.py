@@ -690,9 +690,9 @@ def sdft_grid(eval_dir: str) -> str | None:
     names = ["sdft"] + [f"sdft-ablation-{c}" for c, *_ in cells]
     S = Scores.from_records(load_records(eval_dir, [n for n in names if n != "sdft" or
                                                     os.path.isfile(os.path.join(eval_dir, "sdft.json"))]))
-    lines = ["Each cell one SDFT student on one pool (arena.sh SDFT_GRID=1); each domain's `test` score ± SE over tasks, "
-             "and below it the paired difference to the arena's SDFT (balanced, interleaved, from the base, dedup "
-             "0.9).", "", "| cell | mix | order | student | " + " | ".join(DOMAINS) + " |", "|---" * (4 + len(DOMAINS)) + "|"]
+    lines = ["Each cell one SDFT student on one pool (arena.sh SDFT_GRID=1; no-dedup: its own pool); each domain's "
+             "`test` score ± SE over tasks, and in brackets its paired difference to the arena's SDFT (balanced, "
+             "interleaved, from the base, dedup 0.9).", "", "| cell | mix | order | student | " + " | ".join(DOMAINS) + " |", "|---" * (4 + len(DOMAINS)) + "|"]
     for c, mix, order, student in cells:
         name = f"sdft-ablation-{c}"
         lines.append(f"| {c} | {mix} | {order} | {student} | " + " | ".join(
