@@ -10,9 +10,11 @@ ACL_TORCH=${ACL_TORCH:-torch==2.13.0}   # the CPU build here (an unpinned torch 
 acl_root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 if [ -n "${ACL_PYTHON:-}" ]; then
     [ -x "$ACL_PYTHON" ] || { echo "ACL_PYTHON=$ACL_PYTHON: not an executable Python" >&2; exit 2; }
-    acl_bin=$(mktemp -d)   # `python` and `torchrun` of that environment first on the PATH
-    ln -s "$ACL_PYTHON" "$acl_bin/python"
-    [ -x "$(dirname "$ACL_PYTHON")/torchrun" ] && ln -s "$(dirname "$ACL_PYTHON")/torchrun" "$acl_bin/torchrun"
+    acl_bin=$(mktemp -d)   # `python` and `torchrun` of that environment first on the PATH, as scripts that exec it
+    # by its own path (a symlink elsewhere would lose a virtual environment: Python finds it beside its executable)
+    printf '#!/bin/sh\nexec "%s" "$@"\n' "$ACL_PYTHON" > "$acl_bin/python"
+    printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$ACL_PYTHON" > "$acl_bin/torchrun"
+    chmod +x "$acl_bin/python" "$acl_bin/torchrun"
     export PATH="$acl_bin:$PATH"
 elif [ "${ACL_VENV:-}" != 0 ]; then
     acl_venv=${ACL_VENV:-$acl_root/.venv}

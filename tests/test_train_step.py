@@ -79,7 +79,7 @@ def test_rft_epochs_equal_the_pre_refactor_numbers(monkeypatch, tmp_path):
         def sleep(self):
             pass
 
-        def wake(self):
+        def wake(self, tags=None):
             pass
 
         def load_weights(self, named):
