@@ -34,7 +34,6 @@ import json
 import os
 import random
 import re
-import sys
 import urllib.request
 
 from envs import tau_telecom
@@ -1065,6 +1064,16 @@ def said_output(output: str, said: str, tiny: bool) -> bool:
     return output in said
 
 
+class _Refuse(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None   # urllib then raises the 3xx as an HTTPError
+
+
+# The user model's calls carry its key: a redirect is refused, never followed (urllib would resend the Authorization
+# header to wherever the Location points, another host or plain http).
+NO_REDIRECTS = urllib.request.build_opener(_Refuse)
+
+
 class EcommerceEnv(Env):
     """Retail (tau-bench style) tool use with a simulated user; tiny arena by default, real data with `data`.
 
@@ -1089,7 +1098,8 @@ class EcommerceEnv(Env):
             from urllib.parse import urlparse
             u = urlparse(user_url)
             if u.scheme == "http" and u.hostname not in ("localhost", "127.0.0.1", "::1"):
-                print(f"warning: the key in {user_api_key_env} goes to {u.hostname} over plain http", file=sys.stderr)
+                raise UsageError(f"the key in {user_api_key_env} would go to {u.hostname} over plain http: use https, "
+                                 f"or a loopback address")
         self.data, self.user_url, self.user_model = data, user_url, user_model
         self.user_api_key_env, self.user_timeout = user_api_key_env, user_timeout
         self.workers = max(1, workers) if user_url else 1   # episodes' user turns at once (the rollout loop's env_calls)
@@ -1209,8 +1219,8 @@ class EcommerceEnv(Env):
             request["max_tokens"] = max_tokens
         if tools:
             request["tools"] = tools
-        with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(request).encode(), headers=headers),
-                                    timeout=self.user_timeout) as r:
+        with NO_REDIRECTS.open(urllib.request.Request(url, data=json.dumps(request).encode(), headers=headers),
+                               timeout=self.user_timeout) as r:
             message = json.loads(r.read())["choices"][0]["message"]
         reply, calls = message.get("content"), (message.get("tool_calls") or []) if tools else []
         if not isinstance(reply, str) and not (calls and reply is None):

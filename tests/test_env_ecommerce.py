@@ -733,7 +733,8 @@ def test_no_eval_or_exec_in_the_environment():
 
 def test_the_user_key_goes_only_where_it_is_named(tmp_path, fake_user, monkeypatch, capsys):
     """No key variable named: no Authorization header, even with OPENAI_API_KEY set; a named variable that is not
-    set is refused; a key over plain http to another machine is warned about."""
+    set is refused; a key over plain http to another machine is refused; a redirect is never followed (urllib would
+    resend the key to wherever it points)."""
     user = fake_user(["Hi, I want to exchange my keyboard. I am Yusuf Rossi, 19122.", "###STOP###"])
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     env = EcommerceEnv(data=write_v1(tmp_path / "v1"), user_url=user.url, user_model="sim")
@@ -741,10 +742,37 @@ def test_the_user_key_goes_only_where_it_is_named(tmp_path, fake_user, monkeypat
     assert user.requests and all(not req["auth"] for req in user.requests)
     with pytest.raises(UsageError, match="NOT_SET_KEY is not set"):
         EcommerceEnv(data=write_v1(tmp_path / "v2"), user_url=user.url, user_api_key_env="NOT_SET_KEY")
-    EcommerceEnv(data=write_v1(tmp_path / "v3"), user_url="http://10.1.2.3:8000/v1", user_api_key_env="OPENAI_API_KEY")
-    assert "goes to 10.1.2.3 over plain http" in capsys.readouterr().err
-    EcommerceEnv(data=write_v1(tmp_path / "v4"), user_url=user.url, user_api_key_env="OPENAI_API_KEY")
-    assert "plain http" not in capsys.readouterr().err   # the loopback address: no warning
+    with pytest.raises(UsageError, match="would go to 10.1.2.3 over plain http"):
+        EcommerceEnv(data=write_v1(tmp_path / "v3"), user_url="http://10.1.2.3:8000/v1", user_api_key_env="OPENAI_API_KEY")
+    EcommerceEnv(data=write_v1(tmp_path / "v4"), user_url=user.url, user_api_key_env="OPENAI_API_KEY")   # loopback
+    import urllib.error
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    seen = []
+
+    class Redirect(BaseHTTPRequestHandler):   # 302 to a second server that records what reaches it
+        def do_POST(self):
+            seen.append((self.server.server_address[1], self.headers.get("Authorization")))
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{other.server_address[1]}/v1/chat/completions")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            pass
+    first, other = ThreadingHTTPServer(("127.0.0.1", 0), Redirect), ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    import threading
+    for srv in (first, other):
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        env = EcommerceEnv(user_url=f"http://127.0.0.1:{first.server_address[1]}/v1", user_api_key_env="OPENAI_API_KEY")
+        with pytest.raises(urllib.error.HTTPError, match="302"):
+            env._chat([{"role": "user", "content": "hi"}])
+        assert seen == [(first.server_address[1], "Bearer sk-secret")]   # the other host never saw the key
+    finally:
+        for srv in (first, other):
+            srv.shutdown()
+            srv.server_close()
 
 
 def test_the_user_model_is_probed_before_work_thinks_not_and_its_reasoning_is_dropped(tmp_path, fake_user):
