@@ -144,11 +144,11 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
 #    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~6 min)
 merges_mmopd() {
-    [ -f "$RUNS/merge/uniform/acl_meta.json" ] || t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" \
+    t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" \
         --search uniform --out "$RUNS/merge/uniform" $Q_MERGE
-    [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/grid/acl_meta.json" ] || t merge-grid python merge.py --base "$BASE" \
+    [ "$ARENA" != tiny ] || t merge-grid python merge.py --base "$BASE" \
         --models "${STAGES[@]}" --search grid --grid-step 0.5 --out "$RUNS/merge/grid" $Q_MERGE
-    [ "$ARENA" != tiny ] || [ -f "$RUNS/merge/balanced/acl_meta.json" ] || t merge-balanced python merge.py --base "$BASE" \
+    [ "$ARENA" != tiny ] || t merge-balanced python merge.py --base "$BASE" \
         --models "${STAGES[@]}" --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} \
         --scores-from "$RUNS/merge/grid" --out "$RUNS/merge/balanced" $Q_MERGE
     t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS

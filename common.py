@@ -14,9 +14,11 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import torch
@@ -286,7 +288,7 @@ def write_file_atomically(path: str, write, suffix: str = "") -> str:
     reader never sees half a file, nor a crash an empty one. suffix: the temporary file's extension, for writers that
     pick the format from it (matplotlib)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}{suffix}"
+    tmp = f"{path}.tmp-{tmp_tag()}{suffix}"
     try:
         write(tmp)
         fsync(tmp)
@@ -355,21 +357,40 @@ def mark_diverged(out: str, reason: str):
     save_json(run_files(out)[2], dict(reason=reason, at=time.strftime("%Y-%m-%dT%H:%M:%S")))
 
 
-def remove_leftovers(outs: list, *dirs):
-    """Remove what killed writes leave and nothing else would: the temporary directories of the checkpoints `outs`
-    (.tmp-<name>-<pid>-...), temporary files of their resume states and metrics logs, and temporary files in `dirs`;
-    only names this project's writers make."""
+def tmp_tag() -> str:
+    """What every temporary name carries of its writer, host and process: the leftover sweep removes only what a
+    process of this host that is no longer alive left (another lane of the same arena, or a node sharing runs/, may
+    be writing beside us)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_leftovers(outs: list, files=()):
+    """Remove what killed writes leave and nothing else would: the temporary directories and files of the
+    checkpoints `outs` (.tmp-<name>-<host>-<pid>-...), of their resume states, recipes, divergence markers and metrics
+    logs, and of the files `files` (<file>.tmp-<host>-<pid>); only the names of these outputs (a name's glob characters
+    taken literally), and only where the writer's process is gone (tmp_tag)."""
     import glob
-    paths = []
+    host, finals = socket.gethostname(), list(files)
     for out in outs:
-        d, b = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
-        paths += glob.glob(os.path.join(d, f".tmp-{b}-*")) + glob.glob(os.path.join(d, f".resume-{b}.*tmp-*")) + \
-            glob.glob(os.path.join(d, f"{b}.metrics.jsonl.tmp-*"))
-    for d in dirs:
-        paths += glob.glob(os.path.join(d, "*.tmp-*"))
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-        print0(f"removed {path}, left by a killed run")
+        finals += [out, *run_files(out), os.path.abspath(out) + ".metrics.jsonl"]
+    for f in finals:
+        d, b = os.path.split(os.path.abspath(f))
+        for prefix in (os.path.join(d, f".tmp-{b}-{host}-"), os.path.join(d, f"{b}.tmp-{host}-")):
+            for path in glob.glob(glob.escape(prefix) + "*"):
+                pid = re.match(r"\d+", path[len(prefix):])
+                if pid and int(pid.group()) != os.getpid() and not _alive(int(pid.group())):
+                    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+                    print0(f"removed {path}, left by a killed run")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
 
 
 class Metrics:
@@ -465,7 +486,7 @@ def save_train_state(path: str, model, opt, extra: dict, recipe: dict | None = N
     import torch.distributed.checkpoint as dcp
     msd, osd = get_state_dict(model, opt)   # sharded (DTensor) under FSDP2, plain tensors otherwise
     msd, _ = _trainable_only(model, msd)
-    tmp = f"{path}.tmp-{broadcast_object(os.getpid())}"   # one temporary name for all ranks
+    tmp = f"{path}.tmp-{broadcast_object(tmp_tag())}"   # one temporary name for all ranks
     if rank() == 0:
         if recipe is not None:
             save_json(recipe_file(path), recipe)
@@ -547,7 +568,7 @@ def write_atomically(out_dir: str, write) -> str:
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-{os.getpid()}-{int(time.time() * 1000)}")
+    tmp = os.path.join(parent, f".tmp-{os.path.basename(out_dir)}-{tmp_tag()}-{int(time.time() * 1000)}")
     os.makedirs(tmp)
     try:
         write(tmp)
@@ -569,8 +590,9 @@ def write_atomically(out_dir: str, write) -> str:
 
 
 def write_meta(ckpt_dir: str, meta: dict):
-    """acl_meta.json of a checkpoint being written, stamped with the code revision and the time."""
-    meta = dict(meta, code_revision=code_revision(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    """acl_meta.json of a checkpoint being written, stamped with the code revision, the time and a save id."""
+    meta = dict(meta, code_revision=code_revision(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                save_id=uuid.uuid4().hex[:16])   # two saves in one second are two parents too (identity)
     with open(os.path.join(ckpt_dir, "acl_meta.json"), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True, default=str)
 
@@ -634,6 +656,27 @@ def tokenizer_hash(path: str) -> str:
 def newest(path: str) -> float:
     """When the newest file under `path` was written (0 if none): outputs made after it are up to date."""
     return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs), default=0.0)
+
+
+def identity(path: str | None) -> str | None:
+    """What a child records of its parent so that a parent replaced in place makes the child stale (lineage by
+    identity, not by path): a hash of every acl_meta.json under the directory (each holds its save time, code
+    revision and recipe, so every save differs; an MLE directory's experts and router included), else of its files'
+    names, sizes and modification times (a model made elsewhere, a data file: a file rewritten is another), else the name itself (a hub id, or a path
+    not made yet); None for none."""
+    import hashlib
+    if not path or not os.path.exists(path):
+        return path or None
+    h = hashlib.sha256()
+    metas = sorted(os.path.relpath(os.path.join(r, f), path) for r, ds, fs in os.walk(path)
+                   for f in fs if f == "acl_meta.json" and not os.path.basename(r).startswith("."))
+    for m in metas:
+        h.update(m.encode() + b"\0" + open(os.path.join(path, m), "rb").read() + b"\0")
+    if not metas:
+        for f in sorted(os.listdir(path)) if os.path.isdir(path) else [""]:
+            st = os.stat(os.path.join(path, f) if f else path)
+            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
 
 
 def read_meta(ckpt_dir: str) -> dict:

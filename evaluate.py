@@ -52,8 +52,8 @@ from common import (
     check_writable,
     code_revision,
     eta,
+    identity,
     is_checkpoint,
-    newest,
     print0,
     save_json,
     usage_exit,
@@ -344,13 +344,28 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mi
 
 def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
     """evaluate_model's scores as the record an eval JSON holds (evaluate_ckpt; train_seq.py after each stage):
-    {ckpt, suite, settings, wall_s (since t0, default now), code_revision, evaluated_at, benchmarks}."""
+    {ckpt, ckpt_id, suite, settings, wall_s (since t0, default now), code_revision, scoring_code, evaluated_at,
+    benchmarks}. ckpt_id: the checkpoint's identity (common.identity), scoring_code: scoring_code()'s hash."""
     t0 = t0 or time.time()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
     settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label", "route")}
-    return {"ckpt": path, "suite": suite, "settings": settings, "wall_s": round(time.time() - t0, 1),
-            "code_revision": code_revision(), "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "benchmarks": benchmarks}
+    return {"ckpt": path, "ckpt_id": identity(path), "suite": suite, "settings": settings,
+            "wall_s": round(time.time() - t0, 1), "code_revision": code_revision(), "scoring_code": scoring_code(),
+            "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmarks": benchmarks}
+
+
+def scoring_code() -> str:
+    """A hash of the code that turns a checkpoint into scores: the environments (tasks, rollouts, rewards), this file
+    and MLE's serving. --resume keeps no record made by other scoring code (a `git pull` that changes a reward), and
+    report.py puts no two in one table; a change elsewhere (training, the report) leaves it as it is."""
+    import hashlib
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, "evaluate.py"), os.path.join(here, "mle.py")] + \
+        sorted(glob.glob(os.path.join(here, "envs", "*.py")))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(os.path.relpath(f, here).encode() + b"\0" + open(f, "rb").read())
+    return h.hexdigest()[:16]
 
 
 def evaluate_inrun(model, tok, ckpt, runs, *, suite, n, batch, max_tokens, max_turn_tokens, env_opts, seconds,
@@ -650,8 +665,8 @@ def parse_args(argv=None):
     p.add_argument("--router-mix", action="store_true", help="MLE with --router learned: each task served by a blend "
                    "of the experts weighted by the router's probabilities (saved as <name>-learned-mix)")
     p.add_argument("--resume", action="store_true", help="keep a checkpoint's saved record instead of evaluating it "
-                   "again when it was made with the same settings after the checkpoint's last file was written "
-                   "(arena.sh, restarted after a kill)")
+                   "again when it was made from the same checkpoint (by identity: not one since replaced under its "
+                   "path), with the same settings, data and scoring code (arena.sh, restarted after a kill)")
     p.add_argument("--save-episodes", default=None, metavar="DIR",
                    help="also write every scored episode: DIR/<checkpoint name>/<benchmark>.jsonl, one episode per "
                         "line (chat messages with tools, reward, metrics): teacher rollouts for train_seq.py "
@@ -811,14 +826,16 @@ def main():
                     batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
                     max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
                     env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend, gold=a.gold,
-                    dtype="bf16" if a.dtype == "bf16" or (a.dtype == "auto" and torch.cuda.is_available()) else "fp32")
+                    dtype="bf16" if a.dtype == "bf16" or (a.dtype == "auto" and torch.cuda.is_available()) else "fp32",
+                    data=data_identity(r["sources"], r["env_opts"]))
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
     named, evaluated, t_start = {}, {}, time.time()
     for i, (path, name, _, out) in enumerate(r["ckpts"], 1):
         done = load_results(out) if a.resume and not a.save_episodes and os.path.isfile(out) else None
-        if done and done.get("ckpt") == path and done.get("settings") == json.loads(json.dumps(settings)) \
-                and os.path.getmtime(out) > newest(path):
-            print0(f"[{name}] evaluated before with these settings, after the checkpoint was written: {out} kept")
+        if done and (done.get("ckpt"), done.get("ckpt_id"), done.get("scoring_code")) == (path, identity(path),
+                                                                                          scoring_code()) \
+                and done.get("settings") == json.loads(json.dumps(settings)):
+            print0(f"[{name}] evaluated before with these settings and scoring code, from this checkpoint: {out} kept")
             named[name] = evaluated[path] = done
             continue
         episodes = {} if a.save_episodes else None
@@ -867,6 +884,13 @@ def main():
             print0(f"saved {plot_matrix(g, os.path.join(r['matrix_dir'], 'seq_matrix_gold.png'), 'gold log-likelihood after each stage')}")
         save_results(os.path.join(r["matrix_dir"], "seq_matrix.json"), m)
         print0(f"saved {plot_matrix(m, os.path.join(r['matrix_dir'], 'seq_matrix.png'))}")
+
+
+def data_identity(sources: dict, env_opts: dict) -> dict:
+    """{data flag value: its identity} of every --source and data option that names a file or directory: a file
+    rewritten under the same name is other data (settings compared by --resume and report.py)."""
+    values = list(sources.values()) + [v for o in env_opts.values() for k, v in o.items() if k in ("data", "corpus")]
+    return {v: identity(v) for v in values if isinstance(v, str) and os.path.exists(v)}
 
 
 def same_weights(a: str, b: str) -> bool:

@@ -42,6 +42,7 @@ from common import (
     Parser,
     check_output,
     eta,
+    identity,
     is_checkpoint,
     read_meta,
     read_tensor,
@@ -331,14 +332,27 @@ def parse_args(argv=None):
         for ckpt in a.oracles or []:
             if not is_checkpoint(ckpt):
                 raise UsageError(f"not a checkpoint directory (no config.json): {ckpt}")
-        check_output(a.out, "merge", inputs=[a.base, *a.models, *(a.oracles or [])], overwrite=a.overwrite)
+        a.done = read_meta(a.out).get("method") == "merge" and read_meta(a.out).get("recipe") == recipe(a)
+        if not a.done:
+            check_output(a.out, "merge", inputs=[a.base, *a.models, *(a.oracles or [])], overwrite=a.overwrite)
     except UsageError as e:
         usage_exit(e)
     return a
 
 
+def recipe(a) -> dict:
+    """What a merge depends on: its settings and its inputs by identity (common.identity), so that a rerun keeps a
+    merge made from the same checkpoints and replaces (with --overwrite) one whose inputs were replaced since."""
+    keys = ("search", "weights", "method", "density", "seed", "domains", "grid_step", "search_n", "batch")
+    return dict({k: getattr(a, k) for k in keys}, inputs={p: identity(p) for p in [a.base, *a.models,
+                                                                               *(a.oracles or []), a.scores_from] if p})
+
+
 def main(argv=None):
     a = parse_args(argv)
+    if a.done:
+        print(f"{a.out}: merged before with this recipe from the same checkpoints, nothing to do", flush=True)
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.time()
@@ -353,7 +367,7 @@ def main(argv=None):
         except UsageError as e:
             usage_exit(e)
     config = {k: v for k, v in vars(a).items() if k != "files"}
-    meta = dict(seed=a.seed, config=config, search=a.search, weights=weights, curriculum_position=None, step=None,
+    meta = dict(seed=a.seed, config=config, recipe=recipe(a), search=a.search, weights=weights, curriculum_position=None, step=None,
                 candidates=[dict(weights=list(w), scores=s, objective=o) for w, s, o in tried] if tried else None,
                 oracle_val=oracle)
     try:

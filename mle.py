@@ -45,11 +45,11 @@ from common import (
     check_run_files,
     drop_train_state,
     full_params,
+    identity,
     init_dist,
     is_checkpoint,
     load_policy,
     mark_diverged,
-    newest,
     preset_parser,
     print0,
     rank,
@@ -284,7 +284,8 @@ def train_router(a, envs, device) -> dict:
                 acc[f"{split}/{d}"] = (pred == j).float().mean().item()
         acc[split] = hits / max(n, 1)
     save = dict(state=router.state_dict(), domains=a.domains, dim=x.size(1), accuracy=acc, prompts=a.router_prompts,
-                steps=a.router_steps, final_loss=loss.item(), seconds=round(time.time() - t0, 1))
+                steps=a.router_steps, seed=a.seed, backbone_id=identity(a.backbone), final_loss=loss.item(),
+                seconds=round(time.time() - t0, 1))
     from common import write_file_atomically
     write_file_atomically(os.path.join(a.out, "router.pt"), lambda tmp: torch.save(save, tmp))
     print0(f"[mle] learned router: train accuracy {acc['train']:.3f}, test {acc['test']:.3f}, ood {acc['ood']:.3f} "
@@ -397,20 +398,20 @@ def update_meta(path, extra: dict):
         save_json(os.path.join(path, "acl_meta.json"), meta | extra)
 
 
-def export_merged(a, keep=False):
+def export_merged(a):
     """--export merged: backbone + each expert merged into one full checkpoint (peft's merge_and_unload), for
-    stacks without LoRA -> <export-out>/<domain>/. keep: an export of the same expert on the same backbone, written
-    after both, is kept as it is."""
+    stacks without LoRA -> <export-out>/<domain>/. An export made from the same backbone and expert (by identity)
+    in the same --save-dtype is kept as it is."""
     from peft import PeftModel
     for d, e in experts_of(a.out).items():
-        dest, meta = os.path.join(a.export_out, d), read_meta(os.path.join(a.export_out, d))
-        if keep and meta.get("stage") == d and meta.get("parent") == os.path.abspath(a.backbone) \
-                and meta.get("recipe") == read_meta(e).get("recipe") and newest(dest) > max(newest(e), newest(a.backbone)):
-            print0(f"[mle] {dest} kept (made from {e} after it was written)")
+        dest = os.path.join(a.export_out, d)
+        made_from = dict(stage=d, parent_id=identity(a.backbone), expert_id=identity(e), save_dtype=a.save_dtype)
+        if {k: read_meta(dest).get(k) for k in made_from} == made_from:
+            print0(f"[mle] {dest} kept (made from this backbone and expert, {a.save_dtype})")
             continue
         model, tok = load_policy(a.backbone, torch.device("cpu"), a.attn)
         merged = PeftModel.from_pretrained(model, e).merge_and_unload()
-        save_checkpoint(dest, merged, tok, dict(method="mle-merged", stage=d, parent=os.path.abspath(a.backbone),
+        save_checkpoint(dest, merged, tok, dict(made_from, method="mle-merged", parent=os.path.abspath(a.backbone),
                                                 expert=os.path.abspath(e), recipe=read_meta(e).get("recipe")),
                         dtype=SAVE_DTYPES[a.save_dtype])
         print0(f"[mle] merged {e} into {a.backbone} -> {dest}")
@@ -474,8 +475,10 @@ def check_args(a):
     a.env_opts = env_options(a)
     check_output(a.out, "mle", inputs=[a.backbone], overwrite=True)
     meta = read_meta(a.out)
-    if meta and meta.get("backbone") != os.path.abspath(a.backbone):
-        raise UsageError(f"--out {a.out} holds experts on another backbone ({meta.get('backbone')}); use another --out")
+    if meta and (meta.get("backbone"), meta.get("backbone_id", identity(a.backbone))) != \
+            (os.path.abspath(a.backbone), identity(a.backbone)):
+        raise UsageError(f"--out {a.out} holds experts on another backbone ({meta.get('backbone')}, or the same path "
+                         f"since replaced); use another --out")
     for d in a.domains:
         check_run_files(os.path.join(a.out, "experts", d), recipe(stage_args(a, d), d))
     for d in a.domains if a.export else []:
@@ -504,13 +507,14 @@ def main(argv=None):
            f"process(es)\nresolved config: {vars(a)}")
     if rank() == 0:
         remove_leftovers([os.path.join(a.out, "experts", d) for d in a.domains])
-        top = dict(method="mle", format=FORMAT, backbone=os.path.abspath(a.backbone), domains=a.domains, router="tag",
+        top = dict(method="mle", format=FORMAT, backbone=os.path.abspath(a.backbone), backbone_id=identity(a.backbone),
+                   domains=a.domains, router="tag",
                    experts={d: os.path.join("experts", d) for d in a.domains})
         os.makedirs(a.out, exist_ok=True)
         update_meta(a.out, top)
     if sharded():
         dist.barrier()
-    done, trained = {}, False
+    done = {}
     for i, d in enumerate(a.domains, 1):
         out = os.path.join(a.out, "experts", d)
         if read_meta(out).get("recipe") == recipe(stage_args(a, d), d):
@@ -518,7 +522,7 @@ def main(argv=None):
             done[d] = read_meta(out)
             continue
         try:
-            done[d], trained = train_expert(a, i, d, envs[d], device), True
+            done[d] = train_expert(a, i, d, envs[d], device)
         except FloatingPointError as e:
             if rank() == 0:
                 mark_diverged(out, str(e))
@@ -531,17 +535,20 @@ def main(argv=None):
         update_meta(a.out, dict(expert_summary=summary, finished=True))
         for d, s in summary.items():
             print0(f"[mle] {d}: {s['trainable_params']:,} trainable parameters, {s['adapter_bytes'] or 0:,} bytes")
-        # a restart that trained nothing keeps the router and the merged exports it made before (same settings),
-        # so that the evaluations made after them stay valid (evaluate.py --resume compares file times)
+        # a restart keeps the router and the merged exports it made before from the same backbone and experts (by
+        # identity) with the same settings, so that the evaluations made after them stay valid
         if a.router == "learned":
             saved = os.path.join(a.out, "router.pt")
-            old = torch.load(saved, weights_only=True) if not trained and os.path.isfile(saved) else {}
-            if [old.get(k) for k in ("domains", "prompts", "steps")] == [a.domains, a.router_prompts, a.router_steps]:
-                print0(f"[mle] learned router: {saved} kept (nothing retrained)")
-            else:
-                update_meta(a.out, dict(router_accuracy=train_router(a, envs, device)))
+            old = torch.load(saved, weights_only=True) if os.path.isfile(saved) else {}
+            if [old.get(k) for k in ("domains", "prompts", "steps", "seed", "backbone_id")] == \
+                    [a.domains, a.router_prompts, a.router_steps, a.seed, identity(a.backbone)]:
+                print0(f"[mle] learned router: {saved} kept (fit on this backbone with these settings)")
+            else:   # the fit's settings in the meta too: a refit is another MLE directory (common.identity)
+                acc = train_router(a, envs, device)
+                fit = dict(prompts=a.router_prompts, steps=a.router_steps, seed=a.seed, backbone_id=identity(a.backbone))
+                update_meta(a.out, dict(router_accuracy=acc, router_fit=fit))
         if a.export:
-            export_merged(a, keep=not trained)
+            export_merged(a)
     print0(f"done in {time.time() - t0:.0f}s")
     teardown()
 

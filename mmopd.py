@@ -44,6 +44,7 @@ from common import (
     check_run_files,
     eta,
     gather_mean,
+    identity,
     init_dist,
     is_checkpoint,
     load_policy,
@@ -268,8 +269,9 @@ def recipe(a) -> dict:
     keys = ("domains", "mix", "prompts", "group", "steps", "lr", "top_q", "alpha", "fkl_start", "fkl_coef",
             "fkl_warmup", "rkl_gate", "gate_entropy", "clip_low", "clip_high", "tis_cap", "agg", "grad_clip",
             "temperature", "max_tokens", "max_turn_tokens", "seed")
-    return dict({k: getattr(a, k) for k in keys}, student=os.path.abspath(a.student),
-                teachers={d: os.path.abspath(p) for d, p in a.teacher_paths.items()})
+    return dict({k: getattr(a, k) for k in keys}, student=os.path.abspath(a.student), student_id=identity(a.student),
+                teachers={d: os.path.abspath(p) for d, p in a.teacher_paths.items()},
+                teacher_ids={d: identity(p) for d, p in a.teacher_paths.items()})
 
 
 # ----------------------------------------------------------------------------- --plot

@@ -21,6 +21,7 @@ draws each domain's tasks once, for all checkpoints and the oracle alike). The c
 MLE and the three merges.
 """
 import argparse
+import json
 import math
 import os
 import platform
@@ -701,6 +702,29 @@ def sdft_grid(eval_dir: str) -> str | None:
     return "\n".join(lines)
 
 
+COMPARED = ("seeds", "k", "temperature", "max_tokens", "max_turn_tokens", "dtype", "data")
+
+
+def same_making(runs: list, recs_by_seed: list) -> str:
+    """UsageError unless every record of the report was scored by the same code (evaluate.scoring_code; a record
+    from before it was recorded counts as its own) with the same sampling settings and data: a report never mixes
+    two versions of its inputs. -> the stamp: the scoring code and the commits that produced the numbers."""
+    groups = {}
+    for run, recs in zip(runs, recs_by_seed):
+        for name, r in recs.items():
+            st = r.get("settings") or {}
+            key = json.dumps([r.get("scoring_code"), {k: st.get(k) for k in COMPARED}], sort_keys=True)
+            groups.setdefault(key, []).append(os.path.join(os.path.basename(os.path.abspath(run)), name))
+    if len(groups) > 1:
+        raise UsageError("the records were made by different scoring code or settings: " + " | ".join(
+            f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}: {key}" for key, names in groups.items()) +
+            "; evaluate them again with one code and one set of settings (evaluate.py without --resume)")
+    code = json.loads(next(iter(groups)))[0] if groups else None
+    commits = sorted({r.get("code_revision", "unknown") for recs in recs_by_seed for r in recs.values()})
+    return (f"scored by code {code}" if code else "scored before the scoring code was recorded") + \
+        f" at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}"
+
+
 def run_seeds(run: str) -> list:
     """The training seeds recorded in a run's sequential stages (acl_meta.json)."""
     metas = [read_meta(os.path.join(run, "seq", s)) for s in ("1-math", "2-search", "3-ecommerce", "4-if")]
@@ -711,7 +735,6 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     """Write the report of the run in `runs` to `out` (markdown; plots linked relative to it); with `seed_runs` (the
     same study with other training seeds, arena.sh SEEDS > 1) every table gives mean ± std over the seeds and each
     finding is checked in every seed. -> out."""
-    import json
 
     from evaluate import matrix_table
     if os.path.lexists(out) and (not os.path.isfile(out) or not open(out, errors="replace").readline().startswith(
@@ -724,6 +747,7 @@ def report(runs: str, out: str, seed_runs=()) -> str:
         if not recs_by_seed[-1]:
             raise UsageError(f"no evaluation records in {os.path.join(r, 'eval')}: run evaluate.py (arena.sh step 8) "
                              "first")
+    made_by = same_making(all_runs, recs_by_seed)
     recs, eval_dir = recs_by_seed[0], os.path.join(runs, "eval")
     tasks = [sorted({b["n"] for x in rs.values() for k, b in x["benchmarks"].items() if k.endswith("/test")})
              for rs in recs_by_seed]
@@ -743,7 +767,7 @@ def report(runs: str, out: str, seed_runs=()) -> str:
              f"{code_revision()}, {platform.machine()} {platform.system()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}. Training seed(s) {'; '.join(seeds)}; "
              f"{'/'.join(map(str, tasks[0]))} `test` tasks per domain, one sampling seed; ± is {spread}. Every number "
-             f"below is read from the saved results; the criteria are fixed in report.py.", ""]
+             f"below is read from the saved results, {made_by}; the criteria are fixed in report.py.", ""]
     lines += ["## The study's table", "", "In-domain (`test`) and out-of-domain (`ood`) score per domain; the best "
               "value of each column in bold.", "", study_table(recs_by_seed), ""]
     lines += ["## Normalised by each domain's best single checkpoint", "", "The scale-free form in which the tiny "

@@ -58,6 +58,7 @@ from common import (
     check_run_files,
     check_writable,
     eta,
+    identity,
     init_dist,
     is_checkpoint,
     load_policy,
@@ -399,7 +400,7 @@ def check_args(a):
 def pool_recipe(a) -> dict:
     """What a collected pool depends on (a rerun reuses a pool with the same)."""
     return dict(domains=a.domains, oracles={d: os.path.abspath(p) for d, p in a.oracles.items()},
-                prompts=a.prompts_by_domain, group=a.group, dedup_threshold=a.dedup_threshold,
+                oracle_ids={d: identity(p) for d, p in a.oracles.items()}, prompts=a.prompts_by_domain, group=a.group, dedup_threshold=a.dedup_threshold,
                 temperature=a.temperature, max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens, seed=a.seed)
 
 
@@ -407,7 +408,7 @@ def recipe(a) -> dict:
     """What the student checkpoint (and a resume state) depends on."""
     pool_json = os.path.join(a.pool_dir, "pool.json")
     pool = hashlib.sha256(open(pool_json, "rb").read()).hexdigest() if os.path.isfile(pool_json) else pool_recipe(a)
-    return dict(student=os.path.abspath(a.student), pool=pool, domains=a.domains, mix=a.mix, order=a.order, lr=a.lr,
+    return dict(student=os.path.abspath(a.student), student_id=identity(a.student), pool=pool, domains=a.domains, mix=a.mix, order=a.order, lr=a.lr,
                 warmup=a.warmup, epochs=a.epochs, steps=a.steps, batch=a.batch, agg=a.agg, grad_clip=a.grad_clip,
                 seed=a.seed)
 

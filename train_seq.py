@@ -51,6 +51,7 @@ from common import (
     drop_train_state,
     eta,
     gather_mean,
+    identity,
     init_dist,
     is_checkpoint,
     load_policy,
@@ -176,13 +177,18 @@ def recipe(a, domain: str) -> dict:
             "seed")
     init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
     before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
+    parent = stage_dir(a, len(before), before[-1]) if before else a.init   # by identity: one replaced in place is
+                                                                          # another parent (common.identity)
     agentic = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
     return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
                 lr=a.lr_by_domain[domain], kl_coef=a.kl_by_domain[domain],
                 loss=per_domain("--loss", a.loss, [domain], str)[domain],
                 rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
                 expert_data=os.path.abspath(a.expert_data) if agentic and a.expert_data else None, init=init,
-                trained_after=before)
+                trained_after=before, parent_id=identity(parent),
+                expert_data_id=identity(a.expert_data) if agentic and a.expert_data else None,
+                data={k: identity(v) for k, v in getattr(a, "env_opts", {}).get(domain, {}).items()
+                      if k in ("data", "corpus")})
 
 
 def stage_args(a, domain: str):
@@ -557,7 +563,10 @@ def main(argv=None):
     print0(f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from {a.init}, "
            f"{world_size()} process(es)\nresolved config: {vars(a)}")
     if rank() == 0:
-        remove_leftovers([stage_dir(a, i, d) for i, d in enumerate(a.curriculum, 1)], os.path.join(a.runs, "eval", "inrun"))
+        outs = [stage_dir(a, i, d) for i, d in enumerate(a.curriculum, 1)]
+        remove_leftovers(outs + [o + "-rft" for o in outs],
+                         files=[inrun_path(os.path.join(a.runs, "eval"), os.path.relpath(o, a.runs).replace(os.sep, "-"))
+                                for o in outs])
     parent, t0, out = a.init, time.time(), None
     try:
         for i, domain in enumerate(a.curriculum, 1):

@@ -21,3 +21,13 @@ def micro():
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(model_config(tok, "micro", 512)).eval()
     return model, tok
+
+
+@pytest.fixture
+def dead_tag():
+    """tmp_tag() of a process of this host that has exited: what a killed writer's temporary names carry."""
+    import socket
+    import subprocess
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return f"{socket.gethostname()}-{p.pid}"

@@ -49,6 +49,23 @@ def test_atomic_writes_are_flushed_to_disk_before_their_rename(micro, tmp_path, 
     assert synced[0].startswith(str(tmp_path / "x.json.tmp-")) and synced[-1] == str(tmp_path)
 
 
+def test_the_leftover_sweep_removes_only_what_a_dead_writer_of_these_outputs_left(tmp_path, dead_tag):
+    """A killed write's temporaries go; a live writer's (another lane of the same arena), another host's (a node
+    sharing runs/), another output's and a name that a glob character in --out would have widened to all stay."""
+    import socket
+    live = f"{socket.gethostname()}-{os.getppid()}"
+    d, inrun = tmp_path / "seq", tmp_path / "inrun"
+    d.mkdir(), inrun.mkdir()
+    gone = [d / f".tmp-x[1]-{dead_tag}-9", d / f".resume-x[1].tmp-{dead_tag}", d / f".resume-x[1].json.tmp-{dead_tag}",
+            d / f"x[1].metrics.jsonl.tmp-{dead_tag}", inrun / f"seq-x[1].json.tmp-{dead_tag}"]
+    stay = [d / f".tmp-x[1]-{live}-9", d / f".tmp-x[1]-otherhost-{dead_tag.rsplit('-', 1)[1]}-9", d / f".tmp-x1-{dead_tag}-9",
+            d / f".tmp-y-{dead_tag}-9", inrun / f"seq-y.json.tmp-{dead_tag}", inrun / f"seq-x[1].json.tmp-{live}"]
+    for p in gone + stay:
+        p.mkdir() if p.name.startswith(".tmp-") else p.write_text("")
+    common.remove_leftovers([str(d / "x[1]")], files=[str(inrun / "seq-x[1].json")])
+    assert [p for p in gone if p.exists()] == [] and [p for p in stay if not p.exists()] == []
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_sharded_resume_state_restarts_on_two_ranks_and_on_one(tmp_path, mode):
     """save_train_state under FSDP2 on 2 ranks writes one DCP shard file per rank (no gather); loading it on 2 ranks

@@ -207,8 +207,9 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     assert r.returncode == 0 and os.listdir(tmp_path / "elsewhere") == ["base.json"]
 
 
-def test_resume_keeps_a_record_only_when_it_is_newer_than_the_checkpoint_and_has_the_same_settings(micro, tmp_path):
-    """arena.sh restarted after a kill: a finished evaluation is kept, a stale or differently made one is redone."""
+def test_resume_keeps_a_record_only_of_this_checkpoint_with_the_same_settings_and_scoring_code(micro, tmp_path):
+    """arena.sh restarted after a kill: a finished evaluation is kept; one of a checkpoint since replaced under the
+    same path (lineage by identity), made with other settings or by other scoring code (a `git pull`) is redone."""
     model, tok = micro
     ck = tmp_path / "runs" / "tiny" / "seq" / "1-math"
     save_checkpoint(str(ck), model, tok, {"method": "test"})
@@ -222,8 +223,16 @@ def test_resume_keeps_a_record_only_when_it_is_newer_than_the_checkpoint_and_has
     assert "| seq-1-math |" in r.stdout   # the kept record is still in the table
     r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")   # other settings (the gold metric): evaluated again
     assert r.returncode == 0 and "evaluated before" not in r.stdout
-    later = rec.stat().st_mtime + 10
-    os.utime(ck / "acl_meta.json", (later, later))            # the checkpoint rewritten after its record: again
+    r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")
+    assert r.returncode == 0 and "evaluated before" in r.stdout
+    os.utime(ck / "model.safetensors")                        # a file touched is the same checkpoint: kept
+    assert "evaluated before" in run_cli("--ckpt", str(ck), *fast[:-1], "--resume").stdout
+    saved = json.loads(rec.read_text())
+    rec.write_text(json.dumps(dict(saved, scoring_code="0" * 16)))   # a record made by other scoring code: again
+    r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")
+    assert r.returncode == 0 and "evaluated before" not in r.stdout
+    assert json.loads(rec.read_text())["scoring_code"] == saved["scoring_code"]
+    save_checkpoint(str(ck), model, tok, {"method": "test"})  # the checkpoint replaced in place: again
     r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")
     assert r.returncode == 0 and "evaluated before" not in r.stdout
 

@@ -2,6 +2,7 @@
 end to end with each weight search on micro checkpoints."""
 import json
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -158,6 +159,26 @@ def test_cli_writes_a_loadable_checkpoint_with_meta(ckpts, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert AutoTokenizer.from_pretrained(tmp_path / "m").chat_template
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_a_rerun_keeps_a_merge_of_the_same_inputs_and_refuses_one_whose_inputs_were_replaced(ckpts, tmp_path):
+    """arena.sh restarted: the same merge of the same checkpoints is kept (nothing written); after a stage is replaced
+    under its path (lineage by identity) the old merge is stale: refused in one line, replaced with --overwrite."""
+    root, base, _ = ckpts
+    models = [shutil.copytree(m, tmp_path / os.path.basename(m)) for m in ckpts[2]]
+    args = ["--base", base, "--models", *map(str, models), "--search", "uniform", "--out", str(tmp_path / "m")]
+    assert run(*args).returncode == 0
+    stamp = (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns
+    r = run(*args)
+    assert r.returncode == 0 and "nothing to do" in r.stdout
+    assert (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns == stamp
+    meta = json.loads((models[1] / "acl_meta.json").read_text())
+    (models[1] / "acl_meta.json").write_text(json.dumps(dict(meta, save_id="another")))   # s1 replaced in place
+    r = run(*args)
+    assert r.returncode == 2 and "--overwrite" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run(*args, "--overwrite")
+    assert r.returncode == 0 and "nothing to do" not in r.stdout
+    assert (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns != stamp
 
 
 @pytest.mark.parametrize("case,msg", [

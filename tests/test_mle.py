@@ -115,6 +115,33 @@ def test_an_adapters_first_use_does_not_move_the_sampling_stream(tiny, tmp_path)
     assert [e.token_ids for e in a] == [e.token_ids for e in b]
 
 
+def test_the_hf_backend_keeps_a_bounded_number_of_adapters_loaded(tiny, tmp_path):
+    """--router-mix can make up to 1,771 blends: cycling through MAX_ADAPTERS + 3 adapter directories, the hf backend
+    never holds more than MAX_ADAPTERS loaded (the least recently used unloaded); an adapter used again after it was
+    unloaded gives the log-probs it gave before, and reloading it moves no sampling stream (a seeded sample equals a
+    fresh backend's)."""
+    from envs.rollout import MAX_ADAPTERS
+    model, tok = tiny
+    dirs = []
+    for s in range(MAX_ADAPTERS + 3):
+        dirs.append(str(tmp_path / f"a{s}"))
+        random_expert(model, s).save_pretrained(dirs[-1])
+    chat, env = ChatML(tok), make_env("math")
+    prompt = chat.prompt(env.reset(env.tasks("test")[0]).messages, None)
+    backend, seen = HFBackend(copy.deepcopy(model), tok), []
+    for d in dirs + dirs[:3]:
+        seen.append(backend.generate([prompt], 8, 0.0, chat.stop_ids, adapters=[d])[0].logprobs)
+        assert len(backend.model.peft_config) <= MAX_ADAPTERS, len(backend.model.peft_config)
+    assert seen[-3:] == seen[:3] and len(set(map(tuple, seen[:len(dirs)]))) == len(dirs)   # reloaded: the same
+    assert dirs[1] in backend.adapter_names and dirs[3] not in backend.adapter_names   # dirs[1]: unloaded, then back
+    fresh = HFBackend(copy.deepcopy(model), tok)
+    torch.manual_seed(5)
+    again = backend.generate([prompt] * 2, 8, 1.0, chat.stop_ids, adapters=[dirs[4]] * 2)
+    torch.manual_seed(5)
+    first = fresh.generate([prompt] * 2, 8, 1.0, chat.stop_ids, adapters=[dirs[4]] * 2)
+    assert [(g.token_ids, g.logprobs) for g in again] == [(g.token_ids, g.logprobs) for g in first]
+
+
 def test_fsdp2_lora_two_cpu_ranks_match_one_process(tmp_path):
     """One GRPO update of an expert (adapter only, AdamW, k3 KL to the adapter-disabled model) under torchrun with 2
     ranks (FSDP2 over the peft model, gloo) = the same update in one process; the frozen weights do not move."""
@@ -221,6 +248,25 @@ def test_a_rerun_that_trains_nothing_rewrites_nothing(done, tmp_path):
     assert {p: os.path.getmtime(p) for p in stamp} == stamp
     r = run([*FAST, "--out", copy_, "--router", "learned", "--router-prompts", "9", "--router-steps", "50"])
     assert r.returncode == 0 and "learned router: train accuracy" in r.stdout   # other router settings: fitted again
+
+
+def test_a_backbone_replaced_in_place_makes_the_experts_stale(tmp_path):
+    """sdft.py --overwrite, then arena.sh: the experts, router and exports trained on the old backbone are not kept
+    ("finished before") under the new one of the same path: refused in one line before any work."""
+    bb, out = tmp_path / "sdft", str(tmp_path / "mle")
+    shutil.copytree(TINY, bb)
+    args = [*FAST, "--backbone", str(bb), "--domains", "math", "--steps", "1", "--out", out]
+    assert run(args).returncode == 0
+    assert "finished before" in run(args).stdout
+    meta = json.loads((bb / "acl_meta.json").read_text())
+    (bb / "acl_meta.json").write_text(json.dumps(dict(meta, save_id="another")))   # what a re-save writes
+    r = run(args)
+    assert r.returncode == 2 and "since replaced" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    top = json.loads(open(os.path.join(out, "acl_meta.json")).read())   # without the top's record (an MLE made
+    top.pop("backbone_id")                                               # before it), the expert's own refuses
+    open(os.path.join(out, "acl_meta.json"), "w").write(json.dumps(top))
+    r = run(args)
+    assert r.returncode == 2 and "experts/math" in r.stderr and "another parent" in r.stderr, r.stderr
 
 
 def test_a_killed_expert_resumes_to_the_same_weights(done, tmp_path, monkeypatch):

@@ -287,3 +287,23 @@ def test_report_over_training_seeds(run):
     seed1.joinpath("eval").mkdir()
     with pytest.raises(UsageError, match="no evaluation records"):
         report.report(str(run), str(run / "report.md"), [str(seed1)])
+
+
+def test_a_report_never_mixes_records_of_other_scoring_code_or_settings(run, tmp_path):
+    """Every record of one report scored by one code with one set of sampling settings, else one line naming them;
+    the report stamps the scoring code and the commits that made its numbers."""
+    ev = run / "eval"
+    for f in ev.glob("*.json"):
+        rec = json.loads(f.read_text())
+        f.write_text(json.dumps(dict(rec, scoring_code="abc", code_revision="c1", settings={"temperature": 1.0})))
+    text = open(report.report(str(run), str(tmp_path / "r.md"))).read()
+    assert "scored by code abc at commit c1" in text
+    rec = json.loads((ev / "sdft.json").read_text())
+    (ev / "sdft.json").write_text(json.dumps(dict(rec, scoring_code="def", code_revision="c2")))
+    with pytest.raises(UsageError, match="different scoring code or settings: .*sdft"):
+        report.report(str(run), str(tmp_path / "r.md"))
+    (ev / "sdft.json").write_text(json.dumps(dict(rec, settings={"temperature": 0.6}, code_revision="c2")))
+    with pytest.raises(UsageError, match="different scoring code or settings"):
+        report.report(str(run), str(tmp_path / "r.md"))
+    (ev / "sdft.json").write_text(json.dumps(dict(rec, code_revision="c2")))   # another commit, the same scoring
+    assert "scored by code abc at commits c1, c2" in open(report.report(str(run), str(tmp_path / "r.md"))).read()

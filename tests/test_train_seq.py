@@ -150,7 +150,7 @@ def run_cli(args, cwd=ROOT):
                           text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeypatch):
+def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeypatch, dead_tag):
     runs = str(tmp_path / "runs")
     args = ["--init", micro_base, "--runs", runs, "--curriculum", "math,search", *FAST]
     # a run killed in stage 2's GRPO (the 2nd update of search): stage 1 and the RFT checkpoint are whole
@@ -175,8 +175,8 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
     assert os.path.isfile(os.path.join(runs, "eval", "inrun", "seq-1-math.json"))
     # the kill left a resume state with its recipe; what killed writes leave is removed at the next start
     assert os.path.isfile(os.path.join(runs, "seq", ".resume-2-search.json"))
-    os.makedirs(os.path.join(runs, "seq", ".tmp-2-search-123-456"))
-    os.makedirs(os.path.join(runs, "seq", ".resume-2-search.tmp-123"))   # a killed save leaves such a directory
+    os.makedirs(os.path.join(runs, "seq", f".tmp-2-search-{dead_tag}-456"))
+    os.makedirs(os.path.join(runs, "seq", f".resume-2-search.tmp-{dead_tag}"))   # a killed save leaves such a directory
     # restarted with another recipe for the killed stage only: its resume state is refused, before any work
     r = run_cli([*args, "--steps", "math=2,search=3"])
     assert r.returncode == 2 and "2-search" in r.stderr and "another recipe" in r.stderr
@@ -223,6 +223,29 @@ def test_oracle_writes_oracle_dirs(micro_base, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.load(open(os.path.join(runs, "oracle", "if", "acl_meta.json")))
     assert meta["method"] == "oracle" and meta["parent"] == os.path.abspath(micro_base)
+
+
+def test_a_parent_replaced_in_place_makes_its_children_stale(micro_base, tmp_path):
+    """Lineage by identity, not by path: the same command again skips every stage; a base rebuilt under the same path,
+    or a stage 1 replaced under its own, and the stages made from the old one are refused in one line, before any
+    work (never continued from, nor skipped as finished)."""
+    base, runs = str(tmp_path / "base"), str(tmp_path / "runs")
+    shutil.copytree(micro_base, base)
+    args = ["--init", base, "--runs", runs, "--curriculum", "math,if", *FAST, "--steps", "1", "--eval-n", "0"]
+    assert run_cli(args).returncode == 0
+    r = run_cli(args)
+    assert r.returncode == 0 and r.stdout.count("finished before, skipping") == 2, r.stderr[-2000:]
+
+    def resave(ckpt):   # what a rebuild writes: the same kind of acl_meta.json, another save
+        path = os.path.join(ckpt, "acl_meta.json")
+        meta = json.load(open(path))
+        json.dump(dict(meta, save_id="another", saved_at="2030-01-01T00:00:00"), open(path, "w"))
+    resave(os.path.join(runs, "seq", "1-math"))
+    r = run_cli(args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "2-if" in r.stderr and "another parent" in r.stderr
+    resave(base)
+    r = run_cli(args)
+    assert r.returncode == 2 and "1-math" in r.stderr and "another parent" in r.stderr
 
 
 @pytest.mark.parametrize("bad, msg", [
