@@ -21,11 +21,14 @@ tau2 does. The user is an LLM behind an OpenAI-compatible chat endpoint (`user_u
 Python, so they are read with `ast` as data and never imported.
 
 Reward (tau-bench): 1 iff the final database equals the initial one with the task's gold actions
-replayed on it, every required output string appears in the agent's words, and the episode ended
+replayed on it, every required output string appears in one of the agent's messages, and the episode ended
 properly (the user said ###STOP### or the agent transferred; a truncated episode scores 0, as in tau2).
 A tau2 task may name other checks in its reward_basis (the product is the reward): ACTION (every gold
-action was called with its arguments), ENV_ASSERTION (assertions on the final databases), NL_ASSERTION
-(judged by the LLM at user_url).
+action was called with its arguments, the calls in the task's message history included), ENV_ASSERTION
+(assertions on the final databases), NL_ASSERTION (judged by the LLM at user_url). As in tau2, a task with
+neither gold actions nor environment assertions (or no criteria at all) passes the DB check, and a tau2 episode
+ends unfinished (reward 0) once MAX_TOOL_ERRORS tool calls have failed. tests/test_tau2_semantics.py checks these
+rules against rewards worked out from tau2's.
 Metrics: success, db_match, outputs_ok, tool_calls, tool_errors, turns, user_error.
 """
 import ast
@@ -55,6 +58,9 @@ from envs.base import (
 
 STOP = "###STOP###"
 MAX_CALLS_PER_TURN = 8
+# tau2's orchestrator ends an episode once this many tool calls (the agent's and the user's) have failed
+# (TOO_MANY_ERRORS, reward 0): a tau2/tau3 task does the same here; tau-bench v1 and the tiny arena have no such limit.
+MAX_TOOL_ERRORS = 10
 REASONS = ("no longer needed", "ordered by mistake")
 
 
@@ -946,6 +952,9 @@ def _tau2_task(r, i, world, where):
     if not isinstance(r, dict):
         raise UsageError(f"malformed task {i} in {where}: expected an object")
     tid, crit, init = str(r.get("id", i)), r.get("evaluation_criteria") or {}, r.get("initial_state") or {}
+    # tau2 compares the databases only when a task names gold actions or environment assertions (even empty lists:
+    # then nothing may change); with neither, or no evaluation criteria at all, its DB check passes
+    db_check = crit.get("actions") is not None or crit.get("env_assertions") is not None
     actions = [{"name": a.get("name"), "arguments": a.get("arguments", {}), "requestor": a.get("requestor", "assistant"),
                 "compare_args": a.get("compare_args")} for a in crit.get("actions") or [] if isinstance(a, dict)]
     calls = [{"env": c.get("env_type", "assistant"), "name": c.get("func_name"), "arguments": c.get("arguments", {})}
@@ -971,7 +980,8 @@ def _tau2_task(r, i, world, where):
         raise UsageError(f"task {tid} of {where}: malformed initial_state")
     return {"id": tid, "instruction": _instruction(r.get("user_scenario")), "actions": actions,
             "outputs": crit.get("communicate_info") or [], "nl_assertions": crit.get("nl_assertions") or [],
-            "env_assertions": checks, "reward_basis": basis, "history": history, "init_calls": calls,
+            "env_assertions": checks, "reward_basis": basis, "db_check": db_check, "history": history,
+            "init_calls": calls,
             "init_data": {k: data.get(k) or {} for k in ("agent_data", "user_data")}}
 
 
@@ -1023,10 +1033,38 @@ def load_tasks(data_dir, split, world="retail"):
 # The simulated users.
 
 ID_WORDS = ("email", "zip", "name", "phone", "verify", "identif")
-USER_SYSTEM = ("You are a customer talking to a support agent. Your instruction:\n{instruction}\n\n"
-               "Write one short message per turn, as the customer. Give only the information the current step "
-               "needs, never invent information the instruction does not give, and do not copy the instruction. "
-               f"When your goal is done, or cannot be done, reply with {STOP} alone.")
+# The LLM user's system prompt: guidelines for its domain, then the task's scenario. tau2 gives its user simulator
+# guidelines of its own (one set for a user who only talks, one for a user with tools of their own); these say the
+# same things in this project's words, with each domain's setting.
+USER_CORE = (
+    "You play a customer who has contacted a support agent. Follow the scenario below and stay in character.\n"
+    "- Write one short, natural message per turn.\n"
+    "- Say only what the scenario gives you: anything it does not give, you do not know; never make it up.\n"
+    "- Give details only when the agent asks for them, a little at a time, and in your own words: never paste the "
+    "scenario.\n")
+USER_WITH_TOOLS = (
+    "- You have tools of your own, on your side of the conversation. In a turn, either call one tool or write to the "
+    "agent, never both; the agent does not see your tool calls, only your messages.\n"
+    "- Use a tool only when the agent asks you to do or check something, or to answer the agent's question; when "
+    "unsure what to do, ask. If the agent asks for several actions at once, say you can do one at a time and ask "
+    "which comes first.\n"
+    "- Report what a tool actually returned; never invent a result. If a call fails, correct it and try again.\n")
+USER_END = (f"- When your goal is reached, when you have been transferred to another agent, or when the scenario "
+            f"leaves you nothing more to say, reply with {STOP} alone.\n")
+USER_GUIDELINES = {
+    "retail": "You are shopping with an online store and need help with an order or your account.\n" + USER_CORE
+              + USER_END,
+    "mock": "You use a task-tracking service and need help with your tasks. Your own tools show your notifications "
+            "inbox.\n" + USER_CORE + USER_WITH_TOOLS + USER_END,
+    "tau_telecom": "You are a mobile phone customer with a problem on your phone or your account, and not a technical "
+                   "person. Your own tools operate your phone: the agent cannot see it, so when asked, check or "
+                   "change a setting and describe what you see.\n" + USER_CORE + USER_WITH_TOOLS + USER_END,
+}
+
+
+def user_system(world, instruction) -> str:
+    """The LLM user's system prompt for a world (retail's guidelines where a world has none of its own)."""
+    return f"{USER_GUIDELINES.get(world, USER_GUIDELINES['retail'])}\n<scenario>\n{instruction}\n</scenario>"
 
 
 def scripted_reply(info, user, text):
@@ -1054,11 +1092,12 @@ def spoken(content) -> str:
 
 
 def said_output(output: str, said: str, tiny: bool) -> bool:
-    """Did the agent say a required output? tau-bench's rule is a substring test, kept for real tasks. A tiny
-    task's outputs are numbers, which a substring test finds in any text with digits in it ("zip 236" says 2
-    and 3): the tiny policy learned to win the (since replaced) order-count tasks that way. There a numeric
-    output must appear as a whole number."""
-    output = output.lower().replace(",", "")
+    """Does one assistant message (`said`: lower case, commas taken out) say a required output? tau-bench's rule is
+    a substring test, kept for real tasks: the output is only lower-cased, so one with a comma in it is never found,
+    as in tau-bench and tau2. A tiny task's outputs are numbers, which a substring test finds in any text with
+    digits in it ("zip 236" says 2 and 3): the tiny policy learned to win the (since replaced) order-count tasks
+    that way. There a numeric output must appear as a whole number."""
+    output = output.lower()
     if tiny and re.fullmatch(r"\d+(\.\d+)?", output):
         return re.search(r"(?<![\d.])" + re.escape(output) + r"(?![\d]|\.\d)", said) is not None
     return output in said
@@ -1137,11 +1176,14 @@ class EcommerceEnv(Env):
             if g.get("db") is None:   # (the store itself is kept once, not per task)
                 self._gold_hash[task.id] = target, own
         db, user_db = own or (db, user_db)
+        # tau2's ACTION check looks at the whole trajectory: the calls in the task's message history count too
+        history_calls = [(c.get("name"), c.get("arguments") or {}) for m in g.get("history", [])
+                         if m.get("role") in ("assistant", "user") for c in m.get("tool_calls") or []]
         state.info.update(world=g["world"], db=json_copy(db), user_db=json_copy(user_db), target=target, ended="",
                           revealed=False, confirmed=False, restated=0, writes=0, tool_calls=0, tool_errors=0,
-                          user_error=0.0, calls=[])
+                          user_tool_errors=0, user_error=0.0, calls=history_calls)
         if self.user_url:  # the LLM user plays the customer; roles are swapped in its own transcript
-            chat = [{"role": "system", "content": USER_SYSTEM.format(instruction=g.get("instruction", ""))},
+            chat = [{"role": "system", "content": user_system(g["world"], g.get("instruction", ""))},
                     {"role": "user", "content": "Hi! How can I help you today?"}]
             state.info["user_chat"] = chat
             for m in state.messages:   # a task's message history: the user said what the agent was told, and v.v.
@@ -1171,7 +1213,7 @@ class EcommerceEnv(Env):
             if len(calls) > MAX_CALLS_PER_TURN:
                 obs.append(tool_message("error", f"Error: at most {MAX_CALLS_PER_TURN} tool calls per turn"))
             info["tool_errors"] += len(errors) + (len(calls) > MAX_CALLS_PER_TURN)
-            state.done = info["ended"] == "transfer"
+            state.done = info["ended"] == "transfer" or self._too_many_errors(state)
         else:
             reply = self._llm_reply(state, text) if self.user_url else scripted_reply(info, state.task.gold["user"], text)
             obs.append({"role": "user", "content": reply})
@@ -1182,6 +1224,16 @@ class EcommerceEnv(Env):
             state.done = True
         state.messages.extend(obs)
         return obs
+
+    @staticmethod
+    def _too_many_errors(state) -> bool:
+        """tau2's TOO_MANY_ERRORS (tau2/tau3 tasks only): once MAX_TOOL_ERRORS calls of the agent and the user have
+        failed, the episode ends, unfinished (reward 0)."""
+        info = state.info
+        if "reward_basis" not in state.task.gold or info["tool_errors"] + info["user_tool_errors"] < MAX_TOOL_ERRORS:
+            return False
+        info["ended"] = "too_many_errors"   # (over a transfer in the same turn too: tau2 checks errors first)
+        return True
 
     def _call(self, state, name, args):
         info = state.info
@@ -1265,12 +1317,15 @@ class EcommerceEnv(Env):
                     except ValueError:
                         args = None
                     name = str(fn.get("name"))
-                    text = run_tool(info["world"] + "_user", info["user_db"], name, args)[0] if isinstance(args, dict) \
-                        else "Error: the arguments are not a JSON object"
+                    text, ok = run_tool(info["world"] + "_user", info["user_db"], name, args) \
+                        if isinstance(args, dict) else ("Error: the arguments are not a JSON object", False)
                     sync(info["world"], info["db"], info["user_db"])
                     info["calls"].append((name, args if isinstance(args, dict) else {}))
+                    info["user_tool_errors"] += not ok
                     chat.append({"role": "tool", "tool_call_id": c.get("id") if isinstance(c, dict) else None,
                                  "content": text})
+                if self._too_many_errors(state):   # (its step() then ends the episode on this STOP)
+                    return STOP
         except SERVICE_ERRORS:
             reply = ""
         if not reply:
@@ -1290,10 +1345,13 @@ class EcommerceEnv(Env):
             return 0.0, {k: 0.0 for k in ("success", "db_match", "outputs_ok", "tool_calls", "tool_errors",
                                           "turns", "user_error")}
         g = state.task.gold
-        db_match = (db_hash(info["db"]), db_hash(info.get("user_db", {}))) == info["target"]
-        said = " ".join(spoken(m.get("content")) for m in state.messages if m.get("role") == "assistant")
-        said = said.lower().replace(",", "")  # tau-bench ignores thousands separators
-        outputs_ok = all(said_output(o, said, tiny=g["kind"] != "real") for o in g["outputs"])
+        db_match = not g.get("db_check", True) or \
+            (db_hash(info["db"]), db_hash(info.get("user_db", {}))) == info["target"]
+        # tau-bench and tau2 look for each required output in one assistant message at a time (the task's message
+        # history included), with that message's commas taken out (thousands separators)
+        said = [spoken(m.get("content")).lower().replace(",", "") for m in state.messages
+                if m.get("role") == "assistant"]
+        outputs_ok = all(any(said_output(o, s, tiny=g["kind"] != "real") for s in said) for o in g["outputs"])
         finished = info["ended"] in ("user_stop", "transfer") and not state.truncated
         # tau2's reward: the product of the checks its reward_basis names (default: the databases, the outputs)
         checks = {"DB": lambda: db_match, "COMMUNICATE": lambda: outputs_ok,
@@ -1319,8 +1377,9 @@ class EcommerceEnv(Env):
         assertion? A judge that fails or answers out of format counts as no."""
         if not assertions:
             return True
-        talk = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in state.messages[len(state.task.messages):]
-                         if m.get("role") in ("user", "assistant"))
+        # the whole trajectory, as tau2's judge reads it: the task's message history and the tool results too
+        talk = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in state.messages
+                         if m.get("role") in ("user", "assistant", "tool"))
         ask = ("Here is a conversation between a customer (user) and a support agent (assistant):\n" + talk +
                "\n\nFor each numbered assertion, decide whether the conversation satisfies it:\n" +
                "\n".join(f"{i + 1}. {a}" for i, a in enumerate(assertions)) +

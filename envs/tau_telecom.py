@@ -19,8 +19,10 @@ Everything here is a plain function of the databases (JSON-like dicts), as in ec
   roaming and data allowance reach the phone's surroundings, a paid request marks its bill paid, and a bill
   awaiting payment appears on the phone as a payment request.
 The phone's rules (the network search, when mobile data works, the speed test, when an MMS can be sent) follow
-tau2-bench's telecom user tools. Differences: records are keyed by id (tau2 keeps lists); a draft bill made by
-refuel_data gets an id from the customer and its bill count (tau2 draws a random uuid), so two replays agree.
+tau2-bench's telecom user tools, set-up functions included (a turn_*_on/off that finds the setting already there
+still searches the network, as tau2's toggles do). Differences: records are keyed by id (tau2 keeps lists); a draft
+bill made by refuel_data gets an id from the customer and its bill count (tau2 draws a random uuid), so two replays
+agree; tau2's break_vpn quirk (a reconnect stays poor) is kept per task, behind SHARED_VPN_DEFAULT.
 """
 import datetime
 import hashlib
@@ -247,6 +249,12 @@ SURROUNDINGS = {"name": None, "phone_number": None, "is_abroad": False, "roaming
 MODES = {"4g_5g_preferred": "5G", "4g_only": "4G", "3g_only": "3G", "2g_only": "2G"}
 APN_DEFAULT = DEVICE["active_apn_settings"]
 VPN_DEFAULT = {"server_address": "192.168.1.1", "protocol": "OpenVPN", "server_performance": "excellent"}
+# tau2's connect_vpn hands the phone its shared default VPN details (not a copy), and break_vpn, having connected
+# through it, marks that shared object poor: every later (re)connect then gets a poor server too. True keeps that
+# quirk, for the phone of the task that ran break_vpn (the user db keeps the spoiled default as "vpn_default"), so
+# reconnecting does not fix a broken VPN, as in tau2's scores; False: a reconnect gets an excellent server again.
+# tau2 spoils the default for the whole process, later tasks included; a task here never leaks into the next.
+SHARED_VPN_DEFAULT = True
 SIGNAL_ICON = {"none": "No Signal", "poor": "Signal 1/4 Poor", "fair": "Signal 2/4 Fair", "good": "Signal 3/4 Good",
                "excellent": "Signal 4/4 Excellent"}
 
@@ -487,7 +495,7 @@ def connect_vpn(u):
     d = u["device"]
     if d["vpn_connected"]:
         return "VPN already connected."
-    d.update(vpn_connected=True, vpn_details=dict(VPN_DEFAULT))
+    d.update(vpn_connected=True, vpn_details=dict(u.get("vpn_default") or VPN_DEFAULT))
     return _done(u, "VPN connected successfully.")
 
 
@@ -577,17 +585,21 @@ def set_user_location(u, abroad):
 
 
 def _switch(key, value, search=True):
+    """tau2's turn_<setting>_on/off: toggled until it has `value`, each toggle a network search where tau2's toggle
+    searches. So the phone searches even when the setting already had its value (a no-op switch still refreshes the
+    signal: after set-up the phone shows what its surroundings give, not what user_db.toml said)."""
     def f(u):
-        if u["device"][key] != value:
-            u["device"][key] = value
-            if search:
-                simulate_network_search(u)
+        u["device"][key] = value
+        if search:
+            simulate_network_search(u)
     return f
 
 
 def turn_airplane_mode(value):
+    """tau2 toggles at least once, and again if that left the other state: turning it off when it is off passes
+    through airplane mode (Wi-Fi and the VPN dropped), as tau2's does."""
     def f(u):
-        if u["device"]["airplane_mode"] != value:
+        if _toggle_airplane(u) != value:
             _toggle_airplane(u)
     return f
 
@@ -621,9 +633,12 @@ def set_wifi_calling(u, enabled, mms_over_wifi=None):
 
 def break_vpn(u):
     d = u["device"]
-    if not d["vpn_connected"]:
-        d.update(vpn_connected=True, vpn_details=dict(VPN_DEFAULT))
+    connects = not d["vpn_connected"]   # an already connected VPN keeps its own details: tau2's default is untouched
+    if connects:
+        d.update(vpn_connected=True, vpn_details=dict(u.get("vpn_default") or VPN_DEFAULT))
     d["vpn_details"]["server_performance"] = "poor"
+    if connects and SHARED_VPN_DEFAULT:
+        u["vpn_default"] = dict(d["vpn_details"])
 
 
 def remove_app_permission(u, app_name, permission):
