@@ -253,3 +253,56 @@ def read_jsonl(path) -> list:
         except ValueError as e:
             raise UsageError(f"malformed JSON on line {i} of {path}: {e}") from None
     return rows
+
+
+def load_rows(source: str, split: str = "train", configs=(None,)) -> list:
+    """Rows (dicts) of a local .jsonl/.json file (read here: a malformed one stops with its line), a local
+    .parquet/.csv file or data directory (split names from the file names), or a Hugging Face dataset id (one
+    split per config), through `datasets`. Every failure is one UsageError line naming the source and the reason."""
+    import os
+    path = os.path.expanduser(source)
+    local = source.startswith(("/", ".", "~")) or source.count("/") > 1 or source.endswith(
+        (".jsonl", ".json", ".parquet", ".csv"))
+    if os.path.isfile(path) and path.endswith((".jsonl", ".json")):
+        rows = read_jsonl(path)
+    elif os.path.exists(path) or not local:
+        rows = _dataset_rows(source, path, split, configs)
+    else:
+        raise UsageError(f"data not found: {source}")
+    if not rows:
+        raise UsageError(f"no rows in {source!r}")
+    bad = next((i for i, r in enumerate(rows, 1) if not isinstance(r, dict)), None)
+    if bad:
+        raise UsageError(f"row {bad} of {source!r} is not an object: {str(rows[bad - 1])[:60]}")
+    return rows
+
+
+def _dataset_rows(source, path, split, configs) -> list:
+    import os
+
+    import datasets
+    datasets.disable_progress_bars()             # its bars and logged errors would ride along with our one line
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    try:
+        if os.path.isfile(path):
+            builder = {"parquet": "parquet", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
+            if builder is None:
+                raise UsageError(f"unsupported data file {source!r}; expected .jsonl, .json, .parquet or .csv")
+            parts = [datasets.load_dataset(builder, data_files=path, split="train")]
+        elif os.path.isdir(path):
+            if not any(f.endswith((".jsonl", ".json", ".parquet", ".csv")) for f in os.listdir(path)):
+                raise UsageError(f"no .jsonl/.json/.parquet/.csv files in {source}")
+            found = datasets.load_dataset(path)  # split names come from the file names (train.jsonl, ...)
+            if split not in found and len(found) != 1:
+                raise UsageError(f"no {split!r} split in {source!r}; it has {', '.join(found)}")
+            parts = [found[split] if split in found else next(iter(found.values()))]
+        else:
+            parts = [datasets.load_dataset(source, config, split=split) for config in configs]
+    except UsageError:
+        raise
+    except Exception as e:  # a malformed file or an unreachable hub id: the innermost reason, in one line
+        while e.__cause__ is not None or e.__context__ is not None:
+            e = e.__cause__ or e.__context__
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UsageError(f"cannot load {source!r}: {type(e).__name__}: {first}") from None
+    return [dict(row) for part in parts for row in part]

@@ -25,7 +25,7 @@ from collections import Counter
 from langdetect import DetectorFactory
 from langdetect import detect as _langdetect
 
-from envs.base import SPLITS, Env, Task, UsageError, cache_dir
+from envs.base import SPLITS, Env, Task, UsageError, cache_dir, load_rows
 
 DetectorFactory.seed = 0  # langdetect samples n-grams at random: fix it so scores are deterministic
 BENCHMARKS = ("ifeval", "ifbench")
@@ -699,14 +699,17 @@ def _tiny_tasks(split, n, seed):
             tasks = _generate(split, n, random.Random(f"if:{split}:{seed}"))
             for i, t in enumerate(tasks):
                 t.id = f"if-{split}-{seed}-{i}"
-            try:
+            tmp = f"{path}.tmp-{os.getpid()}"
+            try:   # a cache: a failed write (a full disk, a kill) costs the next run a regeneration, never a leftover
                 os.makedirs(root, exist_ok=True)
-                tmp = f"{path}.tmp-{os.getpid()}"
                 with open(tmp, "w") as f:
                     json.dump([t.__dict__ for t in tasks], f)
                 os.replace(tmp, path)
-            except OSError:
-                pass
+            except BaseException as e:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                if not isinstance(e, OSError):
+                    raise
         _TASKS[key] = tasks
     return _TASKS[key]
 
@@ -745,7 +748,7 @@ class IFEnv(Env):
         return self._load(source or BENCHMARK_SOURCES[name], "train", name)[:n]
 
     def _load(self, source, split, name):
-        rows = _load_rows(source, split)
+        rows = load_rows(source, split)
         tasks, unknown, dropped = [], set(), 0
         for i, row in enumerate(rows):
             if not all(c in row for c in ("prompt", "instruction_id_list", "kwargs")):
@@ -814,24 +817,3 @@ class IFEnv(Env):
 def demo_tasks(n, seed=0):
     """The train-split tasks behind demos(n, seed) (their own stream, so tasks() seeds stay untouched)."""
     return _generate("train", n, random.Random(f"if-demos:{seed}"))
-
-
-def _load_rows(source, split):
-    """Rows of IFEval-format data from a local file/folder or a Hugging Face dataset id, via `datasets`."""
-    import datasets
-    if os.path.exists(source):
-        files = [source] if os.path.isfile(source) else sorted(
-            os.path.join(source, f) for f in os.listdir(source) if f.endswith((".jsonl", ".json", ".parquet")))
-        if not files:
-            raise UsageError(f"no .jsonl/.json/.parquet files in {source}")
-        kind = "parquet" if files[0].endswith(".parquet") else "json"
-        args, kw = (kind,), {"data_files": files, "split": "train"}
-    elif source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
-        raise UsageError(f"data file not found: {source}")
-    else:
-        args, kw = (source,), {"split": split}
-    try:
-        return list(datasets.load_dataset(*args, **kw))
-    except Exception as e:  # network, missing split, malformed file: one line for the user
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"cannot load IF data from {source!r}: {msg}") from None

@@ -23,13 +23,12 @@ Reward: 1 if the final answer is right, else 0; a truncated episode (cut by a to
 because its answer is unfinished. Metrics: acc, boxed (a \\boxed{...} answer was found at all).
 """
 import math
-import os
 import random
 import re
 import threading
 import zlib
 
-from envs.base import SPLITS, Env, EpisodeState, Task, UsageError
+from envs.base import SPLITS, Env, EpisodeState, Task, UsageError, load_rows
 
 SYSTEM = "Math: solve. Put the final answer in \\boxed{}."
 BOXED_HINT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -298,38 +297,6 @@ def _tiny_task(split: str, i: int, seed: int, expr: str, value: int) -> Task:
 
 
 # ----------------------------------------------------------------------------- real data
-
-def load_rows(source: str, split: str = "train", configs=(None,)) -> list:
-    """Rows (dicts) of a HF dataset id, or of a local .jsonl/.json/.parquet/.csv file or data directory."""
-    import datasets
-    path = os.path.expanduser(source)
-    local = source.startswith(("/", ".", "~")) or source.count("/") > 1 or source.endswith(
-        (".jsonl", ".json", ".parquet", ".csv"))
-    try:
-        if os.path.isfile(path):
-            builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
-            if builder is None:
-                raise UsageError(f"unsupported data file {source!r}; expected .jsonl, .json, .parquet or .csv")
-            parts = [datasets.load_dataset(builder, data_files=path, split="train")]
-        elif os.path.isdir(path):
-            found = datasets.load_dataset(path)  # split names come from the file names (train.jsonl, ...)
-            if split not in found and len(found) != 1:
-                raise UsageError(f"no {split!r} split in {source!r}; it has {', '.join(found)}")
-            parts = [found[split] if split in found else next(iter(found.values()))]
-        elif local:
-            raise UsageError(f"data not found: {source}")
-        else:
-            parts = [datasets.load_dataset(source, config, split=split) for config in configs]
-    except UsageError:
-        raise
-    except Exception as e:  # a malformed file or an unreachable hub id: one line for the user
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise UsageError(f"cannot load {source!r}: {type(e).__name__}: {first}") from None
-    rows = [dict(row) for part in parts for row in part]
-    if not rows:
-        raise UsageError(f"no rows in {source!r}")
-    return rows
-
 
 def _column(row: dict, name: str, i: int, source: str):
     if row.get(name) is None:

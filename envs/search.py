@@ -162,13 +162,17 @@ class BM25Index:
         if not os.path.isfile(done) and os.environ.get("LOCAL_RANK", "0") == "0":
             t0 = time.time()
             index = cls(read_corpus(path))
+            import shutil
             tmp = f"{out}.tmp-{os.getpid()}"
-            index.bm25.save(tmp, corpus=index.contents, show_progress=False)
-            os.makedirs(os.path.dirname(out), exist_ok=True)
+            try:
+                index.bm25.save(tmp, corpus=index.contents, show_progress=False)
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+            except BaseException:   # a kill or a failed save leaves no half-written index behind
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             try:
                 os.rename(tmp, out)
             except OSError:   # another builder finished first (a second run on the node): keep its index
-                import shutil
                 shutil.rmtree(tmp, ignore_errors=True)
             print(f"search: BM25 index of {path} ({len(index)} passages) built in {time.time() - t0:.0f}s, saved to "
                   f"{out}", flush=True)

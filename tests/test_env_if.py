@@ -1,5 +1,6 @@
 """Instruction following (envs/instruct.py): IFEval/IFBench checkers, the tiny writing world, real loaders."""
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -362,7 +363,7 @@ def test_ifbench_loader_unknown_ids(tmp_path, capsys):
 def test_malformed_task_files(tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"key": 1, "prompt": "x"\n')
-    with pytest.raises(UsageError, match="cannot load IF data"):
+    with pytest.raises(UsageError, match="malformed JSON on line 1 of"):
         IFEnv().benchmark("ifeval", source=str(bad_json))
     no_cols = _write_jsonl(tmp_path / "nocols.jsonl", [{"key": 1, "text": "x"}])
     with pytest.raises(UsageError, match="lacks prompt/instruction_id_list/kwargs"):
@@ -372,7 +373,7 @@ def test_malformed_task_files(tmp_path):
     with pytest.raises(UsageError, match="row 7"):
         IFEnv().benchmark("ifeval", source=bad_kw)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UsageError, match="no .jsonl/.json/.parquet files"):
+    with pytest.raises(UsageError, match="no .jsonl/.json/.parquet/.csv files"):
         IFEnv().benchmark("ifeval", source=str(tmp_path / "empty"))
 
 
@@ -402,3 +403,25 @@ def test_tiny_tasks_are_cached_on_disk_and_equal_to_a_fresh_generation(tmp_path,
     monkeypatch.setenv("ACLARENA_CACHE", str(blocker))               # a file where the directory should be
     monkeypatch.setattr(instruct, "_TASKS", {})
     assert IFEnv().tasks("train", n=40, seed=7) == fresh
+
+
+def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A write that fails half-way (a full disk: json.dump raising OSError; a kill: KeyboardInterrupt) leaves the cache
+    directory as it was: no `.tmp-` file; the full disk only costs the time, the kill still stops the process."""
+    import envs.instruct as instruct
+    monkeypatch.setenv("ACLARENA_CACHE", str(tmp_path / "cache"))
+    for err in (OSError("No space left on device"), KeyboardInterrupt()):
+        monkeypatch.setattr(instruct, "_TASKS", {})
+        real_dump = json.dump
+
+        def dump(obj, f, *a, err=err, **kw):
+            f.write("[")   # half a file on disk, then the failure
+            raise err
+        monkeypatch.setattr(json, "dump", dump)
+        if isinstance(err, OSError):
+            assert len(IFEnv().tasks("train", n=10, seed=3)) == 10
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                IFEnv().tasks("train", n=10, seed=3)
+        monkeypatch.setattr(json, "dump", real_dump)
+        assert os.listdir(tmp_path / "cache") == []

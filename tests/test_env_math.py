@@ -369,7 +369,7 @@ def test_malformed_files(tmp_path):
     gpqa = write_jsonl(tmp_path / "gpqa.jsonl", [{"Question": "q", "Correct Answer": "a"}])
     mmlu = write_jsonl(tmp_path / "mmlu.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": 5}])
     for call, pattern in [
-        (lambda: MathEnv(data=str(bad)), "cannot load"),
+        (lambda: MathEnv(data=str(bad)), "malformed JSON on line 2 of"),
         (lambda: MathEnv(data=no_answer), "no answer"),
         (lambda: MathEnv(data=no_problem), "no problem"),
         (lambda: MathEnv(data=str(txt)), "unsupported data file"),

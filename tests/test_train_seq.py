@@ -286,6 +286,24 @@ def test_bad_data_for_the_last_stage_refuses_before_the_first_trains(micro_base,
     assert r.returncode == 2 and r.stderr.strip() == "error: --lr must be > 0"
 
 
+@pytest.mark.parametrize("flag, name, content, reason", [
+    ("--if-data", "if.jsonl", '{"key": 1, "prompt": "x", "instruction_id_list": [], "kwargs": []}\n{not json\n',
+     "malformed JSON on line 2 of"),
+    ("--math-data", "math.jsonl", '{"problem": "1+1", "answer": "2"}\n[1, 2]\n', "row 2 of"),
+    ("--math-data", "math.parquet", "not a parquet file", "cannot load"),
+    ("--if-data", "empty_dir", None, "no .jsonl/.json/.parquet/.csv files in"),
+])
+def test_a_malformed_data_file_stops_in_one_line(micro_base, tmp_path, flag, name, content, reason):
+    """One line naming the file, the row when known, and the reason; the datasets library's progress bars and
+    logged errors stay out of it."""
+    path = tmp_path / name
+    path.mkdir() if content is None else path.write_text(content)
+    r = run_cli(["--init", micro_base, "--runs", str(tmp_path / "runs"), "--curriculum", flag[2:-5], *FAST, flag,
+                 str(path)])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and reason in r.stderr and name in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_divergence_stops_saves_nothing_nonfinite_and_is_not_continued(micro_base, tmp_path, monkeypatch):
     """A huge learning rate (the micro base earns no reward, so every sample gets a made-up advantage of +-1); the
     finite blow-up guard is lifted so that the weights go non-finite after a resume state was saved."""
