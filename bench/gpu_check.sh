@@ -4,8 +4,12 @@
 #   1. the install check (train_seq.py --check-install: the GPU, NCCL, bf16, every package imports);
 #   2. the GPU tier of the tests (tests/test_gpu.py, pytest -m gpu): the collective helpers, a GRPO update and a DCP
 #      resume round trip under torchrun on NCCL; two stages handed off under torchrun with rank 0's writes slowed;
-#      bf16 log-probs against the fp32 reference; the hf backend's kept-cache decoding against full re-prefill;
-#   3. bench/gpu.sh's step figures: GRPO update tokens/s and MFU against the nominal and the measured bf16 matmul peak,
+#      bf16 log-probs against the fp32 reference;
+#   3. the hf backend on the GPU's stock attention (sdpa with kept caches, padding inside a row, stacked parts; never
+#      the project's CPU-only shared-prefix kernel): kept-cache and continuous-batching rollouts against full
+#      re-prefill (token ids, masks, rewards) and sampled log-probs against teacher forcing, on every domain (the
+#      same checks tests/test_rollout.py runs on the CPU with stock sdpa); the largest log-prob gap in the log;
+#   4. bench/gpu.sh's step figures: GRPO update tokens/s and MFU against the nominal and the measured bf16 matmul peak,
 #      LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s.
 #   bash bench/gpu_check.sh           # on a GPU
 #   bash bench/gpu_check.sh --cpu     # every step at smoke size on the CPU (CI runs it): checks this script, not a GPU
@@ -30,11 +34,13 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,dr
 if [ "$CPU" = 1 ]; then
     export ACL_TEST_DEVICE=cpu OMP_NUM_THREADS=1
     step install python train_seq.py --check-install
-    step gpu-tier python -m pytest -q -m gpu tests/test_gpu.py
+    step gpu-tier python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache"
+    step kv-sdpa python -m pytest -q -s -m gpu tests/test_gpu.py -k kept_cache
     step step-figures python bench/gpu_step.py --smoke --lora 4
 else
     step install python train_seq.py --check-install
-    step gpu-tier timeout 240 python -m pytest -q -m gpu tests/test_gpu.py
+    step gpu-tier timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache"
+    step kv-sdpa timeout 120 python -m pytest -q -s -m gpu tests/test_gpu.py -k kept_cache
     step step-figures timeout 300 bash bench/gpu.sh
 fi
 if [ ${#FAILED[@]} = 0 ]; then echo "gpu_check: every step passed (log: $LOG)" | tee -a "$LOG"; exit 0; fi

@@ -137,6 +137,32 @@ def _preallocated_cache(n_layers: int, capacity: int):
 COMPACT = 0.25    # HFBackend.stream: ended rows leave the batch (a copy of its cache) once they are this share of it
 ADMIT = 0.5       # HFBackend.stream: waiting rows join the batch when they are at least this share of the decoding ones
 SHARED_MIN = 64   # tokens: a shorter common prefix is not split off (its merge costs about what its shared reads save)
+KV_SHARE = 0.25   # HFBackend's default cap on kept caches: this share of the device's free memory (see default_kv_cap)
+MAX_ADAPTERS = 8  # HFBackend.with_adapter: adapters loaded at once; the least recently used one is unloaded beyond it
+
+
+def default_kv_cap(device) -> int:
+    """HFBackend's default cap, in bytes, on the KV caches it keeps between turns: KV_SHARE of the device's free memory
+    (on CUDA: what the driver reports free plus what torch's allocator holds unused), read at the start of every
+    rollout, when no cache is kept; the rest is left to the decode batch, whose cache a stream admit briefly holds
+    twice. On a CPU: KV_SHARE of the physical RAM, fixed (free RAM moves with the page cache and other processes;
+    the tiny arena keeps a few MB)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(KV_SHARE * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)))
+    return int(KV_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _row_bytes(cache, n: int) -> int:
+    """Bytes of one row's kept cache of n positions (what _row_cache copies out)."""
+    return n * sum(k.shape[1] * k.shape[-1] * k.element_size() + v.shape[1] * v.shape[-1] * v.element_size()
+                   for k, v in (_layer_kv(cache, layer) for layer in range(len(cache.layers))))
+
+
+def _held(found) -> int:
+    """Bytes of the distinct kept caches in `found` ([(length, per layer (keys, values)) or None])."""
+    caches = {id(f[1]): f[1] for f in found if f}
+    return sum(k.nbytes + v.nbytes for c in caches.values() for k, v in c)
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kwargs):
@@ -219,8 +245,10 @@ class HFBackend:
 
     Multi-turn episodes keep their cache (reuse_kv): when a sequence stops, the KV of everything it has fed is kept,
     keyed by its tokens; the next call, whose prompts are those sequences plus the environment's reply, prefills only
-    the reply onto them. Only the previous call's caches are kept (an episode that ended frees its cache at the next
-    call), and forget() drops them (rollout() calls it first, as the weights may have changed, and last).
+    the reply onto them. Only the previous call's caches are kept (each freed once the prompts that continue it are
+    done; an episode that ended frees its cache at the next call), and forget() drops them (rollout() calls it first,
+    as the weights may have changed, and last). The caches held at once stay within kv_cap bytes (None:
+    default_kv_cap); a row that does not fit is not kept and its next turn is prefilled whole (the same tokens).
     On a CPU, a prefix that every prompt of a call starts with (SHARED_MIN tokens or more) is prefilled once and kept
     apart, and the rows' caches hold only what follows it (shared_prefix_attention); it stays while the prompts still
     start with it, so an e-commerce rollout prefills its system prompt once.
@@ -228,17 +256,40 @@ class HFBackend:
     running batch as soon as its environment has answered, on its kept cache) when the environments run in-process
     and no adapters are given; else through generate(), turn by turn, on the caches kept from the previous call.
     reuse_kv False: every call prefills its prompts whole with the model's own attention, turn by turn (the
-    reference both kept paths are tested against)."""
+    reference both kept paths are tested against). shared_attention False: no prefix is split off on a CPU either,
+    and the model's own attention (sdpa) runs the kept and stream paths, as on a GPU (tested on the CPU so).
+    with_adapter keeps at most MAX_ADAPTERS adapters loaded."""
 
-    def __init__(self, model, tokenizer, max_batch: int = 64, reuse_kv: bool = True):
+    def __init__(self, model, tokenizer, max_batch: int = 64, reuse_kv: bool = True, shared_attention: bool = True,
+                 kv_cap: int | None = None):
         self.model, self.tok, self.max_batch, self.reuse_kv = model, tokenizer, max_batch, reuse_kv
+        self.shared_attention = shared_attention   # False: the model's own attention on a CPU too (a GPU run's path)
         _register_attention()
         self.kept = {}      # adapter -> {prefix length: {prefix tokens: per layer (keys, values), (heads, T, d)}}
         self.shared = {}    # adapter -> (shared prefix tokens, per layer (keys, values), (1, heads, P, d))
-        self.adapter_names = {}   # adapter directory -> its peft name (with_adapter)
+        self.adapter_names = {}   # adapter directory -> its peft name (with_adapter), least recently used first
+        self.adapter_loads = 0    # adapters loaded so far: a new one's name is unique even after unloads
+        self.kv_cap, self.kept_peak = kv_cap, 0   # kept_peak: the most bytes of kept caches held at once so far
+        self.forget()
 
     def forget(self):
-        self.kept, self.shared = {}, {}
+        """Drops the kept caches, and sets the cap on them (default_kv_cap reads the free memory now, none kept)."""
+        self.kept, self.shared, self.kept_bytes, self.kept_old = {}, {}, 0, 0   # _keep's counts
+        self.cap = self.kv_cap if self.kv_cap is not None else default_kv_cap(next(self.model.parameters()).device)
+
+    def _keep(self, n: int) -> bool:
+        """Whether a cache of n bytes may be kept: those held (kept_bytes, this call's; kept_old, the previous call's
+        not yet used) stay within the cap; beyond it, the row's next turn is prefilled whole (same tokens, slower)."""
+        if self.kept_bytes + self.kept_old + n > self.cap:
+            return False
+        self.kept_bytes += n
+        self.kept_peak = max(self.kept_peak, self.kept_bytes + self.kept_old)
+        return True
+
+    def _split(self) -> bool:
+        """Whether a shared prefix is split off and attended by shared_prefix_attention: on a CPU, unless switched off
+        (its CPU kernel is the project's; on a GPU the model's own attention reads a prefix copied into every row)."""
+        return self.shared_attention and next(self.model.parameters()).device.type == "cpu"
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, stop_ids, adapters=None):
@@ -251,10 +302,14 @@ class HFBackend:
 
         from common import rank
         out = [None] * len(prompts)
-        kept, self.kept = self.kept, {}
+        slots = ["<as is>"] * len(prompts) if adapters is None else adapters   # the live adapter and "no adapter"
+        # each prompt's kept prefix, from the previous call: the caches live on here only, each freed once the
+        # prompts that continue it are done (batch by batch), and count against the cap until then
+        found = [_prefix(self.kept.get(s, {}), p) if self.reuse_kv else None for s, p in zip(slots, prompts)]
+        self.kept, self.kept_bytes = {}, 0
         shared, self.shared = self.shared, {}
         groups = [None] if adapters is None else list(dict.fromkeys(adapters))
-        split = self.reuse_kv and next(self.model.parameters()).device.type == "cpu"   # a shared prefix kept apart
+        split = self.reuse_kv and self._split()   # a shared prefix kept apart
         # a bar with an ETA over the batches, on a terminal only (tqdm's disable=None) and on rank 0
         bar = tqdm(total=len(prompts), unit="seq", desc="generate", leave=False,
                    disable=None if rank() == 0 and len(prompts) > self.max_batch else True)
@@ -262,24 +317,27 @@ class HFBackend:
             mine = list(range(len(prompts))) if adapters is None else [i for i in range(len(prompts)) if adapters[i] == adapter]
             # similar lengths pad less; identical prompts (a GRPO group) end up side by side and share a prefill
             order = sorted(mine, key=lambda i: (len(prompts[i]), prompts[i]))
-            slot = "<as is>" if adapters is None else adapter    # the live adapter and "no adapter" never share caches
-            mine_kept, self.kept[slot] = kept.get(slot, {}), {}
+            slot = slots[mine[0]]                                 # ... never share caches
+            self.kept[slot] = {}
             with contextlib.nullcontext() if adapters is None else self.with_adapter(adapter), \
                     _attention(self.model, "aclarena-shared" if split else None):
                 if split:
                     pre = self._shared_prefix([prompts[i] for i in mine], shared.get(slot))
                     if pre is not shared.get(slot):   # the kept caches hold what follows the previous prefix
-                        mine_kept = {}
+                        for i in mine:
+                            found[i] = None
                     self.shared[slot] = pre
                 for s in range(0, len(order), self.max_batch):
                     idx = order[s: s + self.max_batch]
-                    batch = [prompts[i] for i in idx]
-                    found = [_prefix(mine_kept, p) for p in batch] if self.reuse_kv else [None]
-                    for i, g in zip(idx, self._generate_batch(batch, max_new_tokens, temperature, stop_ids,
-                                                              found if all(found) else None, self.kept[slot],
-                                                              self.shared.get(slot))):
-                        out[i] = g
+                    mine_found = [found[i] for i in idx]
+                    self.kept_old = _held(found)
+                    for i, g in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, temperature,
+                                                              stop_ids, mine_found if all(mine_found) else None,
+                                                              self.kept[slot], self.shared.get(slot))):
+                        out[i], found[i] = g, None
+                    del mine_found
                     bar.update(len(idx))
+        self.kept_old = 0
         bar.close()
         return out
 
@@ -302,19 +360,28 @@ class HFBackend:
     def with_adapter(self, path):
         """A context in which the model runs with the LoRA adapter directory `path` (None: without any adapter),
         loaded on first use under a name of its own (peft names may not hold dots; paths may); the adapter
-        that was active before is active again after it."""
+        that was active before is active again after it. At most MAX_ADAPTERS loaded ones stay: beyond it the
+        least recently used one that is not active is unloaded (mle.py --router-mix makes up to 1,771 blends), and
+        loaded again from its directory if it is used again."""
         from peft import PeftModel
         if path is None:
             return self.model.disable_adapter() if isinstance(self.model, PeftModel) else contextlib.nullcontext()
         names = self.adapter_names
+        if path in names:
+            names[path] = names.pop(path)          # the most recently used last
+            return _active_adapter(self.model, names[path])
         with torch.random.fork_rng(devices=[]):   # peft initialises a new adapter's weights before it loads them: that
-            if not isinstance(self.model, PeftModel):   # must not move the sampling stream (a rollout seeded before an
-                names[path] = "expert0"                 # adapter's first use would sample otherwise than after it)
-                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=names[path]).eval()
-            elif path not in names:
-                names[path] = f"expert{len(names)}"
-                self.model.load_adapter(path, adapter_name=names[path])
-        return _active_adapter(self.model, names[path])
+            name = f"expert{self.adapter_loads}"     # must not move the sampling stream (a rollout seeded before an
+            self.adapter_loads += 1                   # adapter's first use would sample otherwise than after it)
+            if not isinstance(self.model, PeftModel):
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
+            else:
+                excess = len(names) + 1 - MAX_ADAPTERS
+                for old in [p for p, n in names.items() if n != self.model.active_adapter][:max(excess, 0)]:
+                    self.model.delete_adapter(names.pop(old))
+                self.model.load_adapter(path, adapter_name=name)
+            names[path] = name
+        return _active_adapter(self.model, name)
 
     def sleep(self):
         """Nothing to free: the hf engine's weights are (or mirror) the policy's."""
@@ -360,7 +427,8 @@ class HFBackend:
                 for r in done.nonzero().squeeze(-1).tolist():
                     i, valid = live[r].item(), attn[r].bool()
                     key = tuple(prompts[i]) + tuple(toks[i][:-1])
-                    keep.setdefault(len(key), {})[key] = _row_cache(cache, r, valid)
+                    if key not in keep.get(len(key), {}) and self._keep(_row_bytes(cache, int(valid.sum()))):
+                        keep.setdefault(len(key), {})[key] = _row_cache(cache, r, valid)
             keep_rows = ~done
             if step == max_new_tokens - 1 or not keep_rows.any():
                 break
@@ -389,7 +457,8 @@ class HFBackend:
         stops = torch.tensor(list(stop_ids), device=dev)
         waiting = [(k, p, b, None) for k, (p, b) in enumerate(zip(prompts, budgets))]   # (key, prompt, budget, kept)
         live, batch = [], None     # live: per row [key, prompt length, budget, tokens, log-probs]; batch: as _stack's
-        split = dev.type == "cpu"
+        split = self._split()
+        self.kept_bytes, self.kept_old = 0, 0   # the waiting rows' caches
         with _attention(self.model, "aclarena-shared" if split else None):
             shared = self._shared_prefix(prompts, None) if split else None
             P, kw = (len(shared[0]), {"shared_prefix": shared[1]}) if shared else (0, {})
@@ -417,8 +486,12 @@ class HFBackend:
                         for rows, *rest in self._kept_parts([take[i][1] for i in kept], [take[i][3] for i in kept],
                                                             dev, P, kw):
                             parts.append(([len(live) + kept[r] for r in rows], *rest))
+                        self.kept_bytes -= _held([take[i][3] for i in kept])
                     live += [[k, len(p), b, [], []] for k, p, b, _ in take]
                     batch = self._stack(parts, len(live), max(b - len(t) for _, _, b, t, _ in live))
+                    # the old batch's and the parts' caches now live in the stacked one only: free them now, not at
+                    # the next admit (they held about the batch's cache once more while it decoded)
+                    parts = take = c = rest = None
                 cache, logits, attn, pos = batch
                 nxt, nxt_lp = _sample(logits, temperature)   # (ended rows sample too, and are ignored)
                 hit = torch.isin(nxt, stops).tolist()
@@ -433,9 +506,11 @@ class HFBackend:
                     go_on = turn_done([(live[r][0], Generation(live[r][3], live[r][4], hit[r])) for r in ended])
                     row_of = {live[r][0]: r for r in ended}
                     for k, p, b in go_on:   # the cache of everything the row fed (not its stop token), for its reply
-                        r, valid = row_of[k], attn[row_of[k]].bool()
+                        r, valid = row_of[k], attn[row_of[k]].bool()   # (beyond the cap: none, prefilled whole)
                         fed = live[r][1] + len(live[r][3]) - 1
-                        waiting.append((k, p, b, (fed, _row_cache(cache, r, valid))))
+                        n = int(valid.sum())
+                        waiting.append((k, p, b, (fed, _row_cache(cache, r, valid)) if self._keep(_row_bytes(cache, n))
+                                        else None))
                     for r in ended:
                         live[r] = None
                     if live.count(None) == len(live):

@@ -156,12 +156,14 @@ def test_bm25_index_once_per_node(tmp_path):
 
 
 def test_gpu_check_runs_every_step_on_the_cpu(tmp_path):
-    """bench/gpu_check.sh --cpu: the install check, the GPU tier of the tests (on the CPU) and the step figures at
-    smoke size, each step's status in the log under $OUT, so the script a lent GPU runs has run before."""
+    """bench/gpu_check.sh --cpu: the install check, the GPU tier of the tests and the hf backend on stock sdpa (on the
+    CPU), and the step figures at smoke size, each step's status in the log under $OUT, so the script a lent GPU runs
+    has run before."""
     r = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, OUT=str(tmp_path), TOKENIZERS_PARALLELISM="false"))
     assert r.returncode == 0, r.stdout[-3000:]
     log = (tmp_path / "gpu_check.log").read_text()
-    for name in ("install", "gpu-tier", "step-figures"):
+    for name in ("install", "gpu-tier", "kv-sdpa", "step-figures"):
         assert f"== {name}: exit 0" in log, log[-2000:]
-    assert "4 passed" in log and "every step passed" in log
+    assert "3 passed" in log and "1 passed" in log and "every step passed" in log
+    assert "sampled log-probs against teacher forcing on cpu" in log

@@ -4,7 +4,8 @@ checked everywhere; only on a GPU does it check NCCL, CUDA kernels and bf16.
   - the collective helpers, a GRPO update under FSDP2 (bf16 on GPUs) and a DCP resume round trip, under torchrun;
   - two sequential stages under torchrun with rank 0's checkpoint writes slowed down (the stage hand-off);
   - bf16 token log-probs against the fp32 reference;
-  - the hf backend's kept-cache decoding (multi-turn, continuous batching) against full re-prefill, greedily."""
+  - the hf backend's kept-cache decoding (multi-turn, continuous batching) on stock sdpa against full re-prefill
+    (greedy: token ids, masks, rewards) and its sampled log-probs against teacher forcing, on every domain."""
 import os
 import subprocess
 import sys
@@ -61,16 +62,12 @@ def test_bf16_logprobs_are_the_fp32_reference_within_bf16_rounding(micro):
 
 
 def test_kept_cache_decoding_equals_re_prefill_on_the_device():
-    from common import load_policy
-    from envs import DOMAINS, make_env
-    from envs.rollout import HFBackend, rollout
-    model, tok = load_policy(os.path.join(ROOT, "assets", "tiny-base"), torch.device(DEVICE))
-    model.eval()
-    for d in DOMAINS:
-        env = make_env(d)
-        items = [(env, t) for t in env.tasks("test", n=4, seed=0)]
-        want = [(e.token_ids, e.loss_mask, e.reward)
-                for e in rollout(HFBackend(model, tok, reuse_kv=False), tok, items, 2, temperature=0.0, seed=0)]
-        for cap in (64, 3):
-            got = rollout(HFBackend(model, tok, max_batch=cap), tok, items, 2, temperature=0.0, seed=0)
-            assert [(e.token_ids, e.loss_mask, e.reward) for e in got] == want, (d, cap)
+    """The hf backend's kept caches and continuous batching on the device's stock attention (sdpa: kept caches,
+    padding inside a row, stacked parts), against full re-prefill and teacher forcing, as tests/test_rollout.py
+    checks them on the CPU with stock sdpa (shared_attention False)."""
+    from test_rollout import check_kept_equals_re_prefill, check_sampled_logprobs_are_teacher_forced, tiny_base
+    model, tok = tiny_base(torch.device(DEVICE))
+    assert model.config._attn_implementation == "sdpa"
+    check_kept_equals_re_prefill(model, tok, shared_attention=False)
+    worst = check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=False)
+    print(f"sampled log-probs against teacher forcing on {DEVICE}: {worst:.2e} at most")
