@@ -39,6 +39,7 @@ import time
 import torch
 
 from common import (
+    DTYPES,
     Parser,
     check_output,
     eta,
@@ -56,6 +57,7 @@ from envs import DOMAINS, UsageError, parse_domains
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
 SEARCHES = ("uniform", "grid", "balanced")
+SAVE_DTYPES = {"fp32": "F32", "bf16": "BF16", "base": None}
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json")
 
@@ -82,15 +84,15 @@ def dare_drop(tau: torch.Tensor, density: float, generator: torch.Generator) -> 
 
 
 def merge_tensor(base: torch.Tensor, models: list, weights: list, method: str, density: float = 1.0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """theta_0 plus the merged task vectors of one tensor, computed in float32, returned in base's dtype."""
-    theta0 = base.float()
+                 generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """theta_0 plus the merged task vectors of one tensor, computed in float32, returned in `dtype` (default: base's)."""
+    theta0, dtype = base.float(), dtype or base.dtype
     if method in ("task_arithmetic", "dare_linear"):  # linear: one float32 task vector at a time
         delta = torch.zeros_like(theta0)
         for m, wk in zip(models, weights):
             tau = m.float() - theta0
             delta += wk * (dare_drop(tau, density, generator) if method == "dare_linear" else tau)
-        return (theta0 + delta).to(base.dtype)
+        return (theta0 + delta).to(dtype)
     # TIES: the sign election needs every task vector of this tensor at once
     taus = [m.float() - theta0 for m in models]                       # K x (tensor shape)
     taus = [trim_top(t, density) if method == "ties" else dare_drop(t, density, generator) for t in taus]
@@ -100,7 +102,7 @@ def merge_tensor(base: torch.Tensor, models: list, weights: list, method: str, d
     agree = (torch.sign(weighted) == sign).float()                    # (K, ...): zeros never agree
     divisor = (w * agree).sum(0)
     merged = (weighted * agree).sum(0) / torch.where(divisor == 0, torch.ones_like(divisor), divisor)
-    return (theta0 + merged).to(base.dtype)
+    return (theta0 + merged).to(dtype)
 
 
 # ----------------------------------------------------------------------------- streaming over checkpoints
@@ -135,11 +137,17 @@ def plan_shards(infos: dict, shard_bytes: int) -> list:
 
 
 def stream_merge(base: str, models: list, weights: list, method: str, out_dir: str, density: float = 1.0,
-                 seed: int = 0, shard_bytes: int = 2 * 1024 ** 3, files: dict | None = None) -> dict:
+                 seed: int = 0, shard_bytes: int = 2 * 1024 ** 3, files: dict | None = None, dtype: str = "F32") -> dict:
     """Merge tensor by tensor into out_dir's safetensors (weights only; write_merge makes the whole
-    checkpoint). Returns {tensor name: file}."""
+    checkpoint). dtype: the floating-point tensors' safetensors dtype (F32: a merge of bf16 inputs keeps what
+    lambda = 1/4 of a one-bf16-step task vector adds, which a bf16 output would round away; None: the base's).
+    Returns {tensor name: file}."""
     files = files or check_inputs(base, models)
-    infos = tensor_infos(files[base])
+    infos = {}
+    for name, info in tensor_infos(files[base]).items():   # the output's dtype and byte size per tensor
+        out = dtype if dtype and DTYPES[info["dtype"]].is_floating_point else info["dtype"]
+        size = math.prod(info["shape"]) * DTYPES[out].itemsize
+        infos[name] = dict(info, dtype=out, data_offsets=[0, size])
     headers = {}
     generator = torch.Generator().manual_seed(seed)   # DARE's drops: one stream, tensors in name order
     shards = plan_shards(infos, shard_bytes)
@@ -159,7 +167,7 @@ def stream_merge(base: str, models: list, weights: list, method: str, out_dir: s
             for name in names:
                 t = merge_tensor(read_tensor(files[base][name], name, headers),
                                  [read_tensor(files[m][name], name, headers) for m in models],
-                                 weights, method, density, generator)
+                                 weights, method, density, generator, DTYPES[infos[name]["dtype"]])
                 f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
                 weight_map[name] = file
     if len(shards) > 1:
@@ -170,14 +178,22 @@ def stream_merge(base: str, models: list, weights: list, method: str, out_dir: s
 
 
 def write_merge(base, models, weights, method, out, density=1.0, seed=0, meta=None, shard_bytes=2 * 1024 ** 3,
-                files=None) -> str:
-    """A whole merged checkpoint at `out`: streamed weights, the first model's config and tokenizer files,
+                files=None, dtype="F32") -> str:
+    """A whole merged checkpoint at `out`: streamed weights (in `dtype`, see stream_merge), the first model's config
+    (its dtype set to the output's, so that vLLM and dtype="auto" load it as written) and tokenizer files,
     acl_meta.json; written to a temporary directory and renamed into place."""
     def write(tmp):
-        stream_merge(base, models, weights, method, tmp, density, seed, shard_bytes, files)
+        stream_merge(base, models, weights, method, tmp, density, seed, shard_bytes, files, dtype)
         for name in COPY_FILES:
             if os.path.isfile(os.path.join(models[0], name)):
                 shutil.copy(os.path.join(models[0], name), os.path.join(tmp, name))
+        if dtype and os.path.isfile(os.path.join(tmp, "config.json")):
+            with open(os.path.join(tmp, "config.json")) as f:
+                cfg = json.load(f)
+            cfg["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
+            cfg.pop("torch_dtype", None)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
         write_meta(tmp, dict(meta or {}, method="merge", stage=f"merge-{method}", parent=os.path.abspath(base),
                              merge=dict(method=method, models=[os.path.abspath(m) for m in models],
                                         weights=list(weights), density=density, seed=seed)))
@@ -301,6 +317,9 @@ def parse_args(argv=None):
                    "scores of the merge in DIR, searched with the same settings (arena.sh: balanced reuses grid's)")
     p.add_argument("--batch", type=int, default=64, help="search: rollout batch size")
     p.add_argument("--shard-gb", type=float, default=2.0, help="output shard size in GB")
+    p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default="fp32", help="the merge's floating-point "
+                   "weights: fp32 (default: an 8B merge of bf16 inputs keeps its small task vectors; 33 GB on disk), "
+                   "bf16 (16 GB) or base (the base's dtype)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = p.parse_args(argv)
     try:
@@ -343,7 +362,7 @@ def parse_args(argv=None):
 def recipe(a) -> dict:
     """What a merge depends on: its settings and its inputs by identity (common.identity), so that a rerun keeps a
     merge made from the same checkpoints and replaces (with --overwrite) one whose inputs were replaced since."""
-    keys = ("search", "weights", "method", "density", "seed", "domains", "grid_step", "search_n", "batch")
+    keys = ("search", "weights", "method", "density", "seed", "domains", "grid_step", "search_n", "batch", "save_dtype")
     return dict({k: getattr(a, k) for k in keys}, inputs={p: identity(p) for p in [a.base, *a.models,
                                                                                *(a.oracles or []), a.scores_from] if p})
 
@@ -372,7 +391,7 @@ def main(argv=None):
                 oracle_val=oracle)
     try:
         out = write_merge(a.base, a.models, weights, a.method, a.out, a.density, a.seed, meta,
-                          int(a.shard_gb * 1024 ** 3), a.files)
+                          int(a.shard_gb * 1024 ** 3), a.files, SAVE_DTYPES[a.save_dtype])
     except OSError as e:   # a full disk, a lost mount: one line; write_atomically has removed its partial directory
         sys.exit(f"error: writing {a.out} failed: {e}")
     print(f"merged {len(a.models)} models ({a.method}, lambda {' '.join(f'{w:.3f}' for w in weights)}) -> {out} "

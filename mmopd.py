@@ -361,8 +361,8 @@ def main(argv=None):
             loaded[path] = shard(m.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.offload_teachers)
         teachers[d] = loaded[path]
     backend, _engine = make_backend(a.backend, tok, a.student, policy=policy, device=device, gen_batch=a.gen_batch,
-                                    bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed,
-                                    attn=a.attn)
+                                    kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
+                                    max_tokens=a.max_tokens, seed=a.seed, attn=a.attn)
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0)
     train = {d: envs[d].tasks("train", seed=a.seed) for d in a.domains}
     cursors = {d: Cursor(len(train[d]), a.seed + 3 + k) for k, d in enumerate(a.domains)}

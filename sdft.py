@@ -184,8 +184,9 @@ def collect(a, envs, device) -> tuple:
         tasks = [train[j] for j in Cursor(len(train), a.seed + 2).take(a.prompts_by_domain[d])]
         order = {t.id: i for i, t in enumerate(tasks)}
         mine = tasks[rank()::world_size()]
-        backend, engine = make_backend(a.backend, a.tok, oracle, device=device, gen_batch=a.gen_batch, bf16=a.bf16,
-                                       gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed, attn=a.attn)
+        backend, engine = make_backend(a.backend, a.tok, oracle, device=device, gen_batch=a.gen_batch,
+                                       kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
+                                       max_tokens=a.max_tokens, seed=a.seed, attn=a.attn)
         t_gen = time.time()   # the sampling alone (loading the oracle and the train prompts is not the backend's speed)
         eps = rollout(backend, a.tok, [(env, t) for t in mine], a.group, a.temperature, max_tokens=a.max_tokens,
                       max_turn_tokens=a.max_turn_tokens, seed=a.seed * 7919 + rank())

@@ -359,8 +359,9 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
 
 def stage_backend(a, tok, path, policy, device):
     """envs.rollout.make_backend with this run's scale flags: (backend, engine model) for `policy` loaded from path."""
-    return make_backend(a.backend, tok, path, policy=policy, device=device, gen_batch=a.gen_batch, bf16=a.bf16,
-                        gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens, seed=a.seed, attn=a.attn)
+    return make_backend(a.backend, tok, path, policy=policy, device=device, gen_batch=a.gen_batch,
+                        kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens,
+                        seed=a.seed, attn=a.attn)
 
 
 def run_stage(i, domain, parent, a, device, env):

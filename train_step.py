@@ -87,6 +87,8 @@ def add_scale_flags(p, preset: str):
                                                  "flash-attn is installed, else sdpa), sdpa, flash_attention_2, eager")
     p.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm backend: share of GPU memory for the "
                                                                     "engine (weights + KV cache) while it generates")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="hf backend: most GB of KV cache kept between an "
+                   "episode's turns (beyond it a turn is prefilled whole; default a quarter of the free device memory)")
     p.add_argument("--dry-run", action="store_true", help="build the model on the meta device, apply the FSDP2 "
                    "plan for --world-size ranks, print parameters and memory per rank and the config; no download")
     p.add_argument("--world-size", type=int, default=None, help="ranks assumed by --dry-run (default $WORLD_SIZE or 8)")
@@ -109,6 +111,7 @@ def check_shared_flags(a):
     if a.world_size is None:
         a.world_size = int(os.environ.get("WORLD_SIZE", "8" if a.dry_run else "1"))
     for ok, msg in [(a.world_size >= 1, "--world-size must be >= 1"), (a.gen_batch >= 1, "--gen-batch must be >= 1"),
+                    (a.kv_cache_gb is None or a.kv_cache_gb >= 0, "--kv-cache-gb must be >= 0"),
                     (a.max_tokens > a.max_turn_tokens > 0, "need --max-tokens > --max-turn-tokens > 0"),
                     (0 < a.vllm_gpu_util <= 1, "--vllm-gpu-util must be in (0, 1]"),
                     (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.grad_clip > 0, "--grad-clip must be > 0"),

@@ -864,15 +864,17 @@ def shared_vllm(path, tokenizer, **kw):
 
 def make_backend(kind: str, tok, path: str, *, policy=None, device=None, gen_batch: int = 64, bf16: bool = False,
                  gpu_util: float = 0.5, max_tokens: int = MAX_TOKENS, seed: int = 0, attn: str = "sdpa",
-                 max_lora_rank: int = 0):
+                 max_lora_rank: int = 0, kv_cache_gb: float | None = None):
     """(backend, engine_model): what rollouts are sampled with, for a training script (policy: the model being
     trained, maybe FSDP2-sharded) or an evaluation (policy None: the checkpoint at `path` is what is sampled).
     kind "vllm": the process's one colocated vLLM engine (engine_model None); started from `path` by the first
     call, and given the policy's weights (or, without a policy, `path`'s tensors) by a push on every later call.
     kind "hf": without a policy, `path` loaded in eval mode; single process, the policy itself; under FSDP2 an
     unsharded copy on each rank (bf16 with bf16), refreshed by push_weights after every update. max_lora_rank > 0
-    starts the vLLM engine with LoRA on (adapters up to that rank, per request)."""
+    starts the vLLM engine with LoRA on (adapters up to that rank, per request). kv_cache_gb: the hf engine's
+    kept KV caches at most (--kv-cache-gb; None: HFBackend's default)."""
     from common import checkpoint_tensors, full_params, load_policy, print0, rank, same_tensors, sharded
+    kv_cap = None if kv_cache_gb is None else int(kv_cache_gb * 1024 ** 3)
     if kind == "vllm":
         engine, started = shared_vllm(path, tok, dtype="bfloat16" if bf16 else "float32", gpu_util=gpu_util,
                                       max_model_len=max_tokens, seed=seed + rank(), max_batch=gen_batch,
@@ -890,9 +892,9 @@ def make_backend(kind: str, tok, path: str, *, policy=None, device=None, gen_bat
     if kind != "hf":
         raise UsageError(f"unknown backend {kind!r}; expected hf or vllm")
     if policy is not None and not sharded():
-        return HFBackend(policy, tok, gen_batch), policy
+        return HFBackend(policy, tok, gen_batch, kv_cap=kv_cap), policy
     engine, _ = load_policy(path, device or torch.device("cpu"), attn, dtype=torch.bfloat16 if bf16 else torch.float32)
-    return HFBackend(engine.eval(), tok, gen_batch), engine
+    return HFBackend(engine.eval(), tok, gen_batch, kv_cap=kv_cap), engine
 
 
 def wake_and_push(backend, push=None):

@@ -2,8 +2,8 @@
 end to end with each weight search on micro checkpoints."""
 import json
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 
@@ -134,16 +134,30 @@ def test_streaming_equals_in_memory(ckpts, tmp_path, method):
         assert torch.equal(out[k], want), (method, k)
 
 
-def test_bf16_checkpoints_stay_bf16(micro, tmp_path):
+def test_a_merge_of_bf16_checkpoints_is_written_in_fp32_or_as_asked(micro, tmp_path):
+    """At lr 1e-6 an RL stage moves most weights by about one bf16 step: lambda = 1/4 of such a task vector is below
+    bf16's resolution and a bf16 merge rounds it away. By default the merge is fp32 (config.json says so); with
+    dtype=None (--save-dtype base) it keeps the base's bf16."""
     model, tok = micro
     sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
-    for name in ("b", "m"):   # save_pretrained may consume the dict it is given: a copy each
-        save_checkpoint(str(tmp_path / name), model, tok, {}, state_dict=dict(sd))
-    merge.write_merge(str(tmp_path / "b"), [str(tmp_path / "m")], [1.0], "task_arithmetic", str(tmp_path / "o"))
+    save_checkpoint(str(tmp_path / "b"), model, tok, {}, state_dict=dict(sd))   # save_pretrained may consume its dict
+    moved = {k: (v.float() * (1 + 2 ** -7)).to(torch.bfloat16) for k, v in sd.items()}   # about one bf16 step
+    save_checkpoint(str(tmp_path / "m"), model, tok, {}, state_dict=dict(moved))
+    merge.write_merge(str(tmp_path / "b"), [str(tmp_path / "m")], [0.25], "task_arithmetic", str(tmp_path / "o"))
     header, _ = read_header(str(tmp_path / "o" / "model.safetensors"))
-    assert {v["dtype"] for v in header.values()} == {"BF16"}
+    assert {v["dtype"] for v in header.values()} == {"F32"}
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "float32"
     out = load(str(tmp_path / "o"))
-    assert all(torch.equal(out[k].to(torch.bfloat16), sd[k]) for k in sd)
+    for k in sd:
+        want = sd[k].float() + 0.25 * (moved[k].float() - sd[k].float())
+        assert torch.equal(out[k], want), k
+    assert any(not torch.equal(out[k].to(torch.bfloat16), sd[k]) for k in sd)
+    merge.write_merge(str(tmp_path / "b"), [str(tmp_path / "m")], [1.0], "task_arithmetic", str(tmp_path / "o2"),
+                      dtype=None)
+    header, _ = read_header(str(tmp_path / "o2" / "model.safetensors"))
+    assert {v["dtype"] for v in header.values()} == {"BF16"}
+    out = load(str(tmp_path / "o2"))
+    assert all(torch.equal(out[k].to(torch.bfloat16), moved[k]) for k in sd)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -219,7 +219,8 @@ def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeyp
 
 def test_oracle_writes_oracle_dirs(micro_base, tmp_path):
     runs = str(tmp_path / "runs")
-    r = run_cli(["--init", micro_base, "--runs", runs, "--curriculum", "if", "--oracle", *FAST, "--eval-n", "0"])
+    r = run_cli(["--init", micro_base, "--runs", runs, "--curriculum", "if", "--oracle", *FAST, "--eval-n", "0",
+                 "--kv-cache-gb", "0"])   # (no kept cache at all: every turn prefilled whole)
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.load(open(os.path.join(runs, "oracle", "if", "acl_meta.json")))
     assert meta["method"] == "oracle" and meta["parent"] == os.path.abspath(micro_base)
@@ -258,6 +259,7 @@ def test_a_parent_replaced_in_place_makes_its_children_stale(micro_base, tmp_pat
     (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
     (["--save-dtype", "fp8"], "invalid choice: 'fp8'"),
     (["--threads", "-1"], "--threads must be >= 1"),
+    (["--kv-cache-gb", "-1"], "--kv-cache-gb must be >= 0"),
     pytest.param(["--wandb", "aclarena"], "--wandb needs the wandb package",
                  marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")),
 ])
