@@ -250,6 +250,13 @@ def shard(model, bf16: bool = False, cpu_offload: bool = False):
     return model
 
 
+def shard_device(device):
+    """Where to load a model that shard() then shards: the CPU under a process group (fully_shard moves each layer's
+    states to the rank's device as it shards them, so a GPU never holds a whole fp32 copy of an 8B policy beside an
+    awake engine: ~33 GB more at the load, each rank's host memory holding it instead), else `device`."""
+    return torch.device("cpu") if sharded() else device
+
+
 def full_state_dict(model) -> dict:
     """The whole model's state dict on rank 0 (on the CPU), {} on other ranks; plain state_dict() when
     unsharded. Every rank must call it: the gather is a collective."""

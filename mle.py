@@ -60,6 +60,7 @@ from common import (
     save_json,
     seed_all,
     shard,
+    shard_device,
     sharded,
     teardown,
     usage_exit,
@@ -187,7 +188,7 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
     name = f"mle/{domain}"
     t0 = time.time()
     seed_all(a.seed + i)                                        # the adapter's initialisation too
-    backbone, tok = load_policy(a.backbone, device, a.attn, a.grad_ckpt)
+    backbone, tok = load_policy(a.backbone, shard_device(device), a.attn, a.grad_ckpt)
     policy = with_adapter(backbone, a)
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in policy.parameters())

@@ -10,6 +10,11 @@ learns from that teacher's per-token distribution. No environment reward is used
     torchrun --standalone --nproc_per_node=2 mmopd.py --out runs/tiny/mmopd-dist    # FSDP2, 2 CPU ranks (gloo)
     torchrun --nproc_per_node=8 mmopd.py --preset qwen3-8b --math-data ... --user-url ...   # full scale (vLLM)
     python mmopd.py --preset qwen3-8b --dry-run           # per-rank memory with the four teachers
+    torchrun --nproc_per_node=8 mmopd.py --preset qwen3-8b --domains math,search,ecommerce --teachers oracle \
+        --student runs/qwen3-8b/sdft-500 --prompts 32 --group 8 --steps 300 --max-tokens 8192 --rkl-coef 0.5 \
+        --rkl-gate --gate-entropy topq-raw --out runs/qwen3-8b/mmopd-released ...   # the authors' released EOPD run
+        (three oracle teachers, no IF; student an early SDFT checkpoint: sdft.py --steps 500 --out .../sdft-500,
+        whose lr schedule ends at step 500 where the released one was mid-run; AdamW here, Adam (0.9, 0.98) there)
 
 Each step:
   1. --prompts train prompts drawn from the domains' train splits by --mix (balanced: the same count per domain);
@@ -60,6 +65,7 @@ from common import (
     save_train_state,
     seed_all,
     shard,
+    shard_device,
     teardown,
     tokenizer_hash,
     usage_exit,
@@ -108,7 +114,8 @@ def mmopd_loss(logp, b, x, a, beta_f: float):
     log_pt = torch.log_softmax(t_top, -1)                           # the teacher renormalised over its top-q
     pt = log_pt.exp()
     h_topq = -(pt * log_pt).sum(-1)                                 # its entropy: a lower bound of the full one
-    h = x["t_ent"] if a.gate_entropy == "full" else h_topq
+    h_raw = -(t_top.exp() * t_top).sum(-1)                          # the released code's: the top-q's own terms of
+    h = {"full": x["t_ent"], "topq": h_topq, "topq-raw": h_raw}[a.gate_entropy]   # the full sum, unrenormalised
     # The gate: where the teacher is unsure (H_T > alpha nats) it keeps several continuations alive; reverse KL
     # there would push the student onto one of them, so the forward term takes over at those positions.
     unsure = (h > a.alpha).float()
@@ -116,7 +123,7 @@ def mmopd_loss(logp, b, x, a, beta_f: float):
     #    distillation): A_t = -(log pi_old(y_t) - log p_T(y_t)), no gradient through it. Tokens the teacher finds
     #    likelier than the student are pushed up, the others down; E[-A] is the reverse KL. It is mode-seeking, which
     #    is what we want where the teacher is sure. --rkl-gate keeps it to those positions (the released variant).
-    adv = -(old - x["t_lp"])
+    adv = -a.rkl_coef * (old - x["t_lp"])                            # (--rkl-coef: the released opd_kl_coef 0.5)
     pg, clipped = clipped_surrogate(logp - old, adv, old, b["slp"], a.clip_low, a.clip_high, a.tis_cap)
     rkl_term = pg * (1.0 - unsure) if a.rkl_gate else pg
     # 2. Forward KL(teacher || student) where the teacher is unsure, in closed form over the teacher's top-q tokens,
@@ -162,8 +169,11 @@ def get_args(argv=None):
     p.add_argument("--fkl-coef", type=float, default=preset["fkl_coef"], help="forward-KL coefficient after warm-up")
     p.add_argument("--fkl-warmup", type=int, default=preset["fkl_warmup"], help="steps of its linear warm-up")
     p.add_argument("--rkl-gate", action="store_true", help="reverse KL only where the teacher is sure (H_T <= alpha)")
-    p.add_argument("--gate-entropy", default="full", choices=["full", "topq"], help="the gate's entropy: exact over "
-                   "the vocabulary, or of the renormalised top-q (the released code's, a lower bound)")
+    p.add_argument("--gate-entropy", default="full", choices=["full", "topq", "topq-raw"], help="the gate's entropy: "
+                   "exact over the vocabulary, of the renormalised top-q, or the top-q's terms of the full sum, not "
+                   "renormalised (the released code's; both lower bounds)")
+    p.add_argument("--rkl-coef", type=float, default=1.0, help="the reverse KL's weight in the advantage (released: "
+                   "opd_kl_coef 0.5)")
     p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1")
     p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above 1")
     p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the sampler/trainer importance weight")
@@ -221,7 +231,7 @@ def check_args(a):
                     (a.steps >= 1, "--steps must be >= 1"), (a.lr > 0, "--lr must be > 0"),
                     (a.top_q >= 1, "--top-q must be >= 1"), (a.alpha >= 0, "--alpha must be >= 0 (an entropy, nats)"),
                     (a.fkl_start >= 0 and a.fkl_coef >= 0, "--fkl-start and --fkl-coef must be >= 0"),
-                    (a.fkl_warmup >= 0, "--fkl-warmup must be >= 0"), (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"),
+                    (a.fkl_warmup >= 0, "--fkl-warmup must be >= 0"), (a.rkl_coef >= 0, "--rkl-coef must be >= 0"), (0 <= a.clip_low < 1, "--clip-low must be in [0, 1)"),
                     (a.clip_high >= 0, "--clip-high must be >= 0"), (a.tis_cap >= 1, "--tis-cap must be >= 1"),
                     (a.save_every >= 0, "--save-every must be >= 0")]:
         if not ok:
@@ -267,7 +277,7 @@ def check_args(a):
 def recipe(a) -> dict:
     """What the student checkpoint (and a resume state) depends on."""
     keys = ("domains", "mix", "prompts", "group", "steps", "lr", "top_q", "alpha", "fkl_start", "fkl_coef",
-            "fkl_warmup", "rkl_gate", "gate_entropy", "clip_low", "clip_high", "tis_cap", "agg", "grad_clip",
+            "fkl_warmup", "rkl_gate", "rkl_coef", "gate_entropy", "clip_low", "clip_high", "tis_cap", "agg", "grad_clip",
             "temperature", "max_tokens", "max_turn_tokens", "seed")
     return dict({k: getattr(a, k) for k in keys}, student=os.path.abspath(a.student), student_id=identity(a.student),
                 teachers={d: os.path.abspath(p) for d, p in a.teacher_paths.items()},
@@ -350,14 +360,14 @@ def main(argv=None):
     if rank() == 0:
         remove_leftovers([a.out])
     seed_all(a.seed)
-    policy, tok = load_policy(a.student, device, a.attn, a.grad_ckpt)
+    policy, tok = load_policy(a.student, shard_device(device), a.attn, a.grad_ckpt)
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     # the teachers: frozen, in eval mode, sharded like the student (bf16 weights with --bf16: 2 bytes per parameter
     # and rank share); one copy of a checkpoint that teaches several domains
     loaded, teachers = {}, {}
     for d, path in a.teacher_paths.items():
         if path not in loaded:
-            m, _ = load_policy(path, device, a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
+            m, _ = load_policy(path, shard_device(device), a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
             loaded[path] = shard(m.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.offload_teachers)
         teachers[d] = loaded[path]
     backend, _engine = make_backend(a.backend, tok, a.student, policy=policy, device=device, gen_batch=a.gen_batch,

@@ -74,6 +74,7 @@ from common import (
     save_train_state,
     seed_all,
     shard,
+    shard_device,
     sharded,
     teardown,
     tokenizer_hash,
@@ -477,7 +478,7 @@ def main(argv=None):
     except UsageError as e:
         usage_exit(e)
     seed_all(a.seed)
-    policy, tok = load_policy(a.student, device, a.attn, a.grad_ckpt)
+    policy, tok = load_policy(a.student, shard_device(device), a.attn, a.grad_ckpt)
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     policy.train()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)

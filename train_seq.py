@@ -67,6 +67,7 @@ from common import (
     save_train_state,
     seed_all,
     shard,
+    shard_device,
     teardown,
     usage_exit,
     world_size,
@@ -374,7 +375,7 @@ def run_stage(i, domain, parent, a, device, env):
     use_rft = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
     rft_done = use_rft and read_meta(rft_dir).get("recipe") == recipe(a, domain)
     start = rft_dir if rft_done else parent    # decided before loading: one policy, one backend
-    policy, tok = load_policy(start, device, a.attn, a.grad_ckpt)
+    policy, tok = load_policy(start, shard_device(device), a.attn, a.grad_ckpt)
     seed_all(a.seed + i)
     policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     backend, engine = stage_backend(a, tok, start, policy, device)
@@ -392,7 +393,7 @@ def run_stage(i, domain, parent, a, device, env):
     ref_model = None
     if a.kl_coef > 0:   # the KL's reference: the policy as GRPO starts it, after the cold start (the authors' τ run:
         # --ref-load is the SFT checkpoint), so the penalty keeps RL near what the cold start taught; frozen
-        ref_model, _ = load_policy(rft_dir if use_rft else parent, device, a.attn)
+        ref_model, _ = load_policy(rft_dir if use_rft else parent, shard_device(device), a.attn)
         ref_model = shard(ref_model.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.cpu_offload)
     steps = a.steps_by_domain[domain]
     resume_path = run_files(out)[0]

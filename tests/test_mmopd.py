@@ -22,7 +22,7 @@ ENV1 = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
 
 def loss_args(**kw):
-    a = dict(gate_entropy="full", alpha=0.5, rkl_gate=False, clip_low=0.2, clip_high=0.28, tis_cap=2.0,
+    a = dict(gate_entropy="full", alpha=0.5, rkl_gate=False, rkl_coef=1.0, clip_low=0.2, clip_high=0.28, tis_cap=2.0,
              domains=["math"])
     return argparse.Namespace(**(a | kw))
 
@@ -98,17 +98,21 @@ def test_the_gate_selects_exactly_the_positions_above_alpha_under_both_entropies
     b = dict(mask=torch.ones(1, 6), slp=torch.zeros(1, 6))
     pt = torch.softmax(x["t_top_lp"], -1)
     h_topq = -(pt * pt.log()).sum(-1)
-    for which, h in [("full", x["t_ent"]), ("topq", h_topq)]:
+    h_raw = -(x["t_top_lp"].exp() * x["t_top_lp"]).sum(-1)            # the top-q's terms of the full sum
+    for which, h in [("full", x["t_ent"]), ("topq", h_topq), ("topq-raw", h_raw)]:
         for alpha in (0.3, 1.0, 2.5):
             _, st = mmopd.mmopd_loss(logp, b, x, loss_args(gate_entropy=which, alpha=alpha), 0.1)
             assert torch.equal(st["gate@math"], (h > alpha).float()), (which, alpha)
-    assert (h_topq <= x["t_ent"] + 1e-6).all()                       # the top-q entropy is a lower bound
+    assert (h_topq <= x["t_ent"] + 1e-6).all() and (h_raw <= x["t_ent"] + 1e-6).all()   # both lower bounds
     _, st = mmopd.mmopd_loss(logp, b, x, loss_args(alpha=1.0), 0.1)
     assert torch.equal(st["disagree@math"], ((x["t_ent"] > 1.0) != (h_topq > 1.0)).float())
     # --rkl-gate: the reverse-KL term only where the teacher is sure
     x["t_lp"] = torch.full((1, 6), -1.0)
     loss, st = mmopd.mmopd_loss(logp, b, x, loss_args(alpha=1.0, rkl_gate=True), 0.0)
     assert torch.allclose(loss, (1 - st["gate@math"]) * 1.0)
+    # --rkl-coef scales the reverse-KL advantage (the released opd_kl_coef 0.5)
+    half, _ = mmopd.mmopd_loss(logp, b, x, loss_args(alpha=1.0, rkl_gate=True, rkl_coef=0.5), 0.0)
+    assert torch.allclose(half, 0.5 * loss)
 
 
 def test_fkl_coefficient_warms_up_linearly():
