@@ -150,7 +150,8 @@ def expert_backend(a, tok, policy, device, live: str):
     from envs.rollout import push_weights
     if a.backend == "vllm":
         backend, _ = make_backend("vllm", tok, a.backbone, gen_batch=a.gen_batch, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
-                                  max_tokens=a.max_tokens, seed=a.seed, max_lora_rank=a.lora_rank)
+                                  max_tokens=max(a.max_tokens_by_domain.values()), seed=a.seed,
+                                  max_lora_rank=a.lora_rank)
         mine = os.path.join(live, f"rank{rank()}")                 # each rank its own engine's copy
         push = functools.partial(push_lora_dir, path=mine)
         push(backend, policy)
@@ -447,8 +448,8 @@ def get_args(argv=None):
 
 def check_args(a):
     """Every bad input stops here with a UsageError, before anything is loaded or written."""
-    check_shared_flags(a)
     a.domains = list(parse_domains(a.domains))
+    check_shared_flags(a, a.domains)
     check_grpo_flags(a, a.domains)
     a.lora_targets = [t.strip() for t in a.lora_targets.split(",") if t.strip()]
     bad = [t for t in a.lora_targets if t not in TARGETS]

@@ -98,7 +98,9 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     cb = 2 if a.bf16 else 4                                  # compute dtype bytes
-    tokens = micro_batch * seq_len
+    # train_on's passes: --micro-batch sequences, cut to --micro-tokens padded tokens (one episode longer alone)
+    cap = getattr(a, "micro_tokens", None) or micro_batch * seq_len
+    tokens = max(min(micro_batch * seq_len, cap), seq_len)
     per_layer_acts = (4 * h + 3 * q + 2 * kv + 4 * i) * cb * tokens
     acts = (L * h * cb * tokens + per_layer_acts) if a.grad_ckpt else L * per_layer_acts
     states = 16 * P_r
@@ -130,7 +132,8 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
           f"{a.grad_ckpt}, cpu offload {a.cpu_offload}, attention {resolve_attn(a.attn)}")
     print(f"parameters per rank: max {P_r / 1e6:.1f}M, min {min(per_rank) / 1e6:.1f}M "
           f"(one layer {layer / 1e6:.1f}M, root {root / 1e6:.1f}M)")
-    print(f"estimated GPU memory per rank, micro-batch {micro_batch} x {seq_len} tokens:")
+    print(f"estimated GPU memory per rank, a pass of {tokens} tokens (micro-batch {micro_batch} x {seq_len}, at most "
+          f"--micro-tokens):")
     for k, v in mem.items():
         print(f"  {k:<38} {gb(v):8.2f} GiB")
     if a.cpu_offload:

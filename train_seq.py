@@ -135,7 +135,10 @@ PRESETS = {
                  minibatches=1, cold_start="expert", rft_prompts="search=256,ecommerce=96", rft_samples=4, rft_epochs=2, rft_lr=1e-3,
                  eval_n=30, max_gen_rounds=2, math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
-                     group=8, lr="1e-6", kl_coef="math=0.01,search=0,ecommerce=0.1,if=0",
+                     group="math=16,search=8,ecommerce=8,if=8", lr="1e-6",
+                     # the authors' math responses run to 16k tokens; the agentic and IF turns to 2k as before
+                     max_tokens="math=17408,search=8192,ecommerce=8192,if=8192",
+                     max_turn_tokens="math=16384,search=2048,ecommerce=2048,if=2048", kl_coef="math=0.01,search=0,ecommerce=0.1,if=0",
                      loss="math=grpo,search=gspo,ecommerce=gspo,if=grpo", minibatches=2, cold_start="self",
                      rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, max_gen_rounds=3,
                      math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
@@ -173,15 +176,16 @@ def stage_dir(a, i: int, domain: str) -> str:
 def recipe(a, domain: str) -> dict:
     """The settings a finished stage (and a resume state) must match to be used on a rerun: the recipe, and the
     stage's lineage: the starting checkpoint and the stages trained before it (an oracle has none)."""
-    keys = ("group", "minibatches", "clip_low", "clip_high", "agg", "tis_cap", "grad_clip", "dynamic_sampling",
-            "max_gen_rounds", "temperature", "max_tokens", "max_turn_tokens", "rft_samples", "rft_epochs", "rft_lr",
-            "seed")
+    keys = ("minibatches", "clip_low", "clip_high", "agg", "tis_cap", "grad_clip", "dynamic_sampling",
+            "max_gen_rounds", "temperature", "rft_samples", "rft_epochs", "rft_lr", "seed")
     init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
     before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
     parent = stage_dir(a, len(before), before[-1]) if before else a.init   # by identity: one replaced in place is
                                                                           # another parent (common.identity)
     agentic = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
-    return dict({k: getattr(a, k) for k in keys}, steps=a.steps_by_domain[domain], prompts=a.prompts_by_domain[domain],
+    return dict({k: getattr(a, k) for k in keys}, group=a.group_by_domain[domain], max_tokens=a.max_tokens_by_domain[
+                    domain], max_turn_tokens=a.max_turn_tokens_by_domain[domain], steps=a.steps_by_domain[domain],
+                prompts=a.prompts_by_domain[domain],
                 lr=a.lr_by_domain[domain], kl_coef=a.kl_by_domain[domain],
                 loss=per_domain("--loss", a.loss, [domain], str)[domain],
                 rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
@@ -193,10 +197,13 @@ def recipe(a, domain: str) -> dict:
 
 
 def stage_args(a, domain: str):
-    """A copy of the run's arguments with this stage's own learning rate, KL coefficient and loss as plain values."""
+    """A copy of the run's arguments with this stage's own learning rate, KL coefficient, loss, group size and token
+    limits as plain values."""
     return argparse.Namespace(**dict(vars(a), lr=per_domain("--lr", a.lr, [domain], float)[domain],
                                      kl_coef=per_domain("--kl-coef", a.kl_coef, [domain], float)[domain],
-                                     loss=per_domain("--loss", a.loss, [domain], str)[domain]))
+                                     loss=per_domain("--loss", a.loss, [domain], str)[domain],
+                                     group=a.group_by_domain[domain], max_tokens=a.max_tokens_by_domain[domain],
+                                     max_turn_tokens=a.max_turn_tokens_by_domain[domain]))
 
 
 def check_stage(a, i: int, domain: str):
@@ -361,8 +368,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
 def stage_backend(a, tok, path, policy, device):
     """envs.rollout.make_backend with this run's scale flags: (backend, engine model) for `policy` loaded from path."""
     return make_backend(a.backend, tok, path, policy=policy, device=device, gen_batch=a.gen_batch,
-                        kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util, max_tokens=a.max_tokens,
-                        seed=a.seed, attn=a.attn)
+                        kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util, seed=a.seed, attn=a.attn,
+                        max_tokens=max(a.max_tokens_by_domain.values()))   # one engine for every stage: the largest
 
 
 def run_stage(i, domain, parent, a, device, env):
@@ -432,7 +439,8 @@ def add_grpo_flags(p, preset: dict):
     """The GRPO loop's flags (grpo_steps), with `preset`'s defaults; mle.py trains its experts with them too."""
     p.add_argument("--steps", default=preset["steps"], help="GRPO steps per stage: N, or domain=N,...")
     p.add_argument("--prompts", default=preset["prompts"], help="prompts per GRPO step (global): N, or domain=N,...")
-    p.add_argument("--group", type=int, default=preset["group"], help="GRPO group size G (samples per prompt)")
+    p.add_argument("--group", default=preset["group"], help="GRPO group size G (samples per prompt): N, or "
+                   "domain=N,... (the authors: 16 for math, 8 otherwise)")
     p.add_argument("--lr", default=preset["lr"], help="GRPO learning rate (AdamW, constant): X, or domain=X,...")
     p.add_argument("--loss", default=preset["loss"], help="importance ratio per token (grpo: GRPO/DAPO) or per "
                    "sequence (gspo: GSPO, the authors' choice for search, ecommerce and LoRA runs): NAME or domain=NAME,...")
@@ -457,11 +465,12 @@ def check_grpo_flags(a, domains: list):
     a.lr_by_domain = per_domain("--lr", a.lr, domains, float)
     a.kl_by_domain = per_domain("--kl-coef", a.kl_coef, domains, float)
     a.loss_by_domain = per_domain("--loss", a.loss, domains, str)
+    a.group_by_domain = per_domain("--group", a.group, domains)
     bad = sorted(set(a.loss_by_domain.values()) - {"grpo", "gspo"})
     if bad:
         raise UsageError(f"--loss: {bad[0]!r} is neither grpo nor gspo")
     ws = a.world_size if a.dry_run else world_size()
-    for ok, msg in [(a.group >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
+    for ok, msg in [(min(a.group_by_domain.values()) >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
                     (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"),
                     (min(a.lr_by_domain.values()) > 0, "--lr must be > 0"),
                     (min(a.steps_by_domain.values()) >= 0, "--steps must be >= 0"),
@@ -496,6 +505,7 @@ def get_args(argv=None):
     p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
                                                                         "evaluation (0 = skip)")
     add_scale_flags(p, name)
+    p.set_defaults(**{k: preset[k] for k in ("max_tokens", "max_turn_tokens") if k in preset})   # per stage (8B)
     add_step_flags(p, name)
     add_data_flags(p, train=True)
     p.set_defaults(math_data=preset["math_data"])
@@ -510,7 +520,7 @@ def check_args(a):
     from envs import parse_domains
     a.curriculum = list(parse_domains(a.curriculum))
     a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
-    check_shared_flags(a)
+    check_shared_flags(a, a.curriculum)
     check_grpo_flags(a, a.curriculum)
     if not (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1
             and a.rft_lr > 0 and (a.eval_n is None or a.eval_n >= 0)):

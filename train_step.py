@@ -41,6 +41,7 @@ from common import (
     rank,
     world_size,
 )
+from envs import per_domain
 from envs.base import well_formed
 from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, cache_kwarg
 
@@ -69,8 +70,10 @@ def add_scale_flags(p, preset: str):
     p.add_argument("--backend", default=s["backend"], choices=["hf", "vllm"],
                    help="rollout engine: hf (transformers) or vllm (colocated, pip install -r requirements-gpu.txt)")
     p.add_argument("--gen-batch", type=int, default=s["gen_batch"], help="sequences per generate call")
-    p.add_argument("--max-tokens", type=int, default=s["max_tokens"], help="token limit per episode")
-    p.add_argument("--max-turn-tokens", type=int, default=s["max_turn_tokens"], help="token limit per turn")
+    p.add_argument("--max-tokens", default=s["max_tokens"], help="token limit per episode: N (train_seq.py and "
+                   "mle.py: or domain=N,... per stage)")
+    p.add_argument("--max-turn-tokens", default=s["max_turn_tokens"], help="token limit per turn: N (train_seq.py "
+                   "and mle.py: or domain=N,...)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=s["bf16"],
                    help="bf16 compute under FSDP2 (MixedPrecisionPolicy)")
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=s["grad_ckpt"],
@@ -106,13 +109,24 @@ def add_step_flags(p, preset: str):
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
 
 
-def check_shared_flags(a):
-    """UsageError (one line) for a bad value of the shared flags; fills --world-size's default."""
+def check_shared_flags(a, domains=None):
+    """UsageError (one line) for a bad value of the shared flags; fills --world-size's default. domains: the stages
+    of a script whose token limits may differ per domain (a.max_tokens_by_domain, ...; a.max_tokens is then the
+    largest, what the engine is sized for); without, one number each."""
     if a.world_size is None:
         a.world_size = int(os.environ.get("WORLD_SIZE", "8" if a.dry_run else "1"))
+    if domains is None and not all(str(v).isdigit() for v in (a.max_tokens, a.max_turn_tokens)):
+        raise UsageError("--max-tokens and --max-turn-tokens take one whole number each in this script")
+    names = domains or ["all"]
+    a.max_tokens_by_domain = per_domain("--max-tokens", a.max_tokens, domains) if domains else \
+        {"all": int(a.max_tokens)}
+    a.max_turn_tokens_by_domain = per_domain("--max-turn-tokens", a.max_turn_tokens, domains) if domains else \
+        {"all": int(a.max_turn_tokens)}
+    a.max_tokens, a.max_turn_tokens = max(a.max_tokens_by_domain.values()), max(a.max_turn_tokens_by_domain.values())
     for ok, msg in [(a.world_size >= 1, "--world-size must be >= 1"), (a.gen_batch >= 1, "--gen-batch must be >= 1"),
                     (a.kv_cache_gb is None or a.kv_cache_gb >= 0, "--kv-cache-gb must be >= 0"),
-                    (a.max_tokens > a.max_turn_tokens > 0, "need --max-tokens > --max-turn-tokens > 0"),
+                    (all(a.max_tokens_by_domain[d] > a.max_turn_tokens_by_domain[d] > 0 for d in names),
+                     "need --max-tokens > --max-turn-tokens > 0"),
                     (0 < a.vllm_gpu_util <= 1, "--vllm-gpu-util must be in (0, 1]"),
                     (a.micro_batch >= 1, "--micro-batch must be >= 1"), (a.grad_clip > 0, "--grad-clip must be > 0"),
                     (a.micro_tokens >= 1, "--micro-tokens must be >= 1"),

@@ -127,7 +127,9 @@ def main(argv=None):
                                     weight_decay=0.0)
     model, opt = build()
     n_params = sum(t.numel() for t in model.parameters())
-    flags = train_seq.stage_args(train_seq.get_args(["--preset", "qwen3-8b", "--micro-batch", str(a.micro_batch)]), "math")
+    run = train_seq.get_args(["--preset", "qwen3-8b", "--micro-batch", str(a.micro_batch), "--curriculum", "math",
+                              "--world-size", "1", "--dry-run"])   # (--dry-run: resolve the flags, load nothing)
+    flags = train_seq.stage_args(train_seq.check_args(run), "math")
     eps, adv = episodes(a.prompts, a.group, a.prompt_len, a.completion_len, cfg.vocab_size)
     seq = a.prompt_len + a.completion_len
     per_micro_prompts = sum(len({e.task_id for e in [eps[i] for i in idx]})

@@ -13,7 +13,7 @@ import torch
 
 import train_seq
 import train_step
-from envs.base import well_formed
+from envs.base import UsageError, well_formed
 from envs.rollout import Episode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,6 +247,26 @@ def test_a_parent_replaced_in_place_makes_its_children_stale(micro_base, tmp_pat
     resave(base)
     r = run_cli(args)
     assert r.returncode == 2 and "1-math" in r.stderr and "another parent" in r.stderr
+
+
+def test_group_and_token_limits_per_domain(micro_base, tmp_path):
+    """--group, --max-tokens and --max-turn-tokens per stage (the authors' math: group 16, 16k-token responses): each
+    stage runs with its own value, its recipe records it, the engine is sized for the largest; the 8B preset says so."""
+    a = train_seq.check_args(train_seq.get_args([
+        "--init", micro_base, "--runs", str(tmp_path / "runs"), "--curriculum", "math,if", "--group", "math=4,if=2",
+        "--max-tokens", "math=300,if=200", "--max-turn-tokens", "math=250,if=40"]))
+    m, i = train_seq.stage_args(a, "math"), train_seq.stage_args(a, "if")
+    assert (m.group, m.max_tokens, m.max_turn_tokens, i.group, i.max_tokens, i.max_turn_tokens) == (4, 300, 250, 2, 200, 40)
+    rec = train_seq.recipe(a, "if")
+    assert (rec["group"], rec["max_tokens"], rec["max_turn_tokens"]) == (2, 200, 40) and a.max_tokens == 300
+    with pytest.raises(UsageError, match="--max-tokens > --max-turn-tokens"):
+        train_seq.check_args(train_seq.get_args(["--init", micro_base, "--curriculum", "math,if", "--max-tokens",
+                                                 "math=300,if=30", "--max-turn-tokens", "40"]))
+    with pytest.raises(UsageError, match="--group must be >= 2"):
+        train_seq.check_args(train_seq.get_args(["--init", micro_base, "--curriculum", "math,if", "--group",
+                                                 "math=4,if=1"]))
+    big = train_seq.get_args(["--preset", "qwen3-8b"])
+    assert big.group.startswith("math=16") and big.max_turn_tokens.startswith("math=16384")
 
 
 @pytest.mark.parametrize("bad, msg", [
