@@ -32,7 +32,14 @@ else
     RUN="torchrun --nproc_per_node=${NPROC:-8} ${TORCHRUN_ARGS:-}"
     SUITE=full
     EVAL_BACKEND=vllm
+    # step 8's two evaluation lanes run side by side on node 0: each takes half of its GPUs, one evaluate.py process
+    # per GPU (--devices; the checkpoints dealt round-robin)
+    HALF=$(( ${NPROC:-8} / 2 ))
+    if [ "$HALF" -ge 1 ]; then
+        EVAL_LANE_A="--devices $(seq -s, 0 $((HALF - 1)))" EVAL_LANE_B="--devices $(seq -s, "$HALF" $((2 * HALF - 1)))"
+    fi
 fi
+EVAL_LANE_A=${EVAL_LANE_A:-} EVAL_LANE_B=${EVAL_LANE_B:-}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
 N_EVAL_DEFAULT=test=300,ood=100   # evaluate.py's tasks per split (step 8); the full suite takes each benchmark whole
@@ -45,7 +52,7 @@ if [ "$QUICK" = 1 ]; then
     Q_SDFT="--prompts 32 --group 4 --steps 2"
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
     Q_MLE="--steps 1 --prompts 2 --group 2 --router-prompts 16 --router-steps 20"
-    Q_ANALYZE="--n 8"
+    Q_ANALYZE="--n 8 --kl-n 4"
     N_EVAL_DEFAULT=test=10,ood=5
 fi
 N_EVAL=${N_EVAL:-$N_EVAL_DEFAULT}
@@ -133,7 +140,7 @@ lanes seq_run oracles
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
 analyze_seq() {
     t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ \
-        --out "$RUNS/analysis/seq" $Q_ANALYZE
+        --out "$RUNS/analysis/seq" $Q_ANALYZE --kl-n 0
 }
 # 5. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
 #    ways; grid and balanced score candidates on each domain's val tasks of the tiny worlds, so they run in
@@ -167,7 +174,8 @@ sdft_mle() {
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
 }
 lanes sdft_mle merges_mmopd
-# 7. the analysis again with the consolidators -> runs/tiny/analysis/ (~15 s)
+# 7. the analysis again with the consolidators, and the forgetting law: every move's KL(before || after) per agent
+#    token on each domain's test prompts (--kl-n 50 each; a stage's cold start and RL apart) -> runs/tiny/analysis/ (~? min)
 t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
 # 8. evaluation (N_EVAL: 300 tasks per `test` split and 100 per `ood` split; the ood scores sit at the floor, <= 0.02:
 #    100 tasks bound them as well), in two lanes: the base, every stage and oracle, with the accuracy matrix
@@ -175,13 +183,13 @@ t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
 #    reused); and every merge, SDFT, MMOPD and MLE (tag routing), then the consolidators on the mixed-domain tasks that
 #    need search and arithmetic in one episode and carry no tag (runs/tiny/eval-mixed/) (~11 min)
 eval_runs() {
-    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS --out-dir "$RUNS/eval" \
+    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_LANE_A --out-dir "$RUNS/eval" \
         --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
     cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
 }
 eval_consolidators() {
     t evaluate-consolidators python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
-        $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
+        $EVAL_ARGS $EVAL_LANE_B --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
     [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_EVAL" \
         --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
         "$RUNS/mle" --router learned

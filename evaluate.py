@@ -16,6 +16,9 @@ plotted with forgetting, BWT and FWT (eval/seq_matrix.png, eval/seq_matrix.json)
         --source aime26=MathArena/aime_2026 --search-data data/flashrag --search-corpus data/wiki18.jsonl \\
         --tau-data data/tau2/domains/retail --source tau_mock=data/tau2/domains/mock \\
         --source tau_telecom=data/tau2/domains/telecom --user-url http://localhost:8000/v1 --user-model Qwen/Qwen3-32B
+    python evaluate.py --ckpt runs/qwen3-8b/base runs/qwen3-8b/seq/[0-9]-* --suite full --backend vllm \\
+        --devices 0,1,2,3,4,5,6,7 $EVAL          # $EVAL: the data and service flags above; one process per GPU
+    python evaluate.py --ckpt runs/qwen3-8b/seq/4-if --suite full --backend vllm --harness lm-eval $EVAL
 
 Suites. tiny: each domain's `test` (in-domain) and `ood` split of the tiny worlds, 300 tasks, k=1. full: AIME26
 (avg@16), GPQA-Diamond, MMLU-Redux, NQ, TriviaQA, PopQA, HotpotQA, 2Wiki, MuSiQue, Bamboogle, tau-retail (test),
@@ -24,15 +27,30 @@ simulated phone), IFEval, IFBench; every data source is a flag (HF ids
 by default where the env has one, local paths otherwise). The
 table adds the study's search columns: single_hop (TriviaQA, PopQA) and multi_hop (HotpotQA, 2Wiki, MuSiQue, Bamboogle).
 
-Single process; evaluation needs no torchrun. Training scripts call evaluate_model() on the in-memory model.
+--devices 0,1,...: one evaluation process per device (each sees only its own GPU: CUDA_VISIBLE_DEVICES; `cpu`
+entries are CPU processes), checkpoint i going to device i mod D in the order given (a fixed deal: which process
+scores a checkpoint never depends on timing); each process writes its checkpoints' records as a one-process run
+does, and the launching process prints the table and the accuracy matrix once every process has ended. Why a
+launcher and not torchrun: the processes share nothing, and under torchrun every rank's vLLM engine joins one
+world-wide group at its start (a collective: a rank left with nothing to do by --resume would hang the others),
+ranks that finish hours apart would wait on a collective's timeout, and one failed checkpoint would kill the
+other ranks' work. One node; training scripts call evaluate_model() on the in-memory model.
+
+--harness lm-eval: also score the non-agentic benchmarks with lm-eval (`pip install "lm-eval[ifeval,vllm]"`; an
+optional package, imported only then), its vLLM backend on the same checkpoint in a process of its own (so its
+engine's memory is returned before ours wakes): its task configs, prompts, greedy decoding and answer extraction,
+the chat template applied, LM_EVAL_TASKS naming its task for each of our benchmarks (None: lm-eval has none). Its
+scores go to the record's `benchmarks_lm_eval`, never into `benchmarks`: the table, the matrix and report.py read
+our own harness only, and the lm-eval table is printed apart.
 
 Differences from the paper / notes:
 1. tau-telecom's phone and records follow tau2-bench's telecom tools (envs/tau_telecom.py); the status bar is
    written in words where tau2 draws emoji, and a bill made by refuel_data gets a derived id instead of a random one.
 2. IFBench ids without a checker in envs/instruct.py are dropped (counted in the log), so IFBench is scored on
    the implemented subset.
-3. --backend hf generates with transformers on the CPU; --backend vllm runs one vLLM engine (a GPU at full
-   scale) and streams each further checkpoint's weights into it.
+3. --backend hf generates with transformers (CPU or GPU); --backend vllm runs one vLLM engine (a GPU at full
+   scale) and streams each further checkpoint's weights into it. --backend hf with more than HF_CPU_MAX_GB of
+   weights (an 8B checkpoint) on a machine without a GPU is refused in one line: it would take days.
 """
 import argparse
 import glob
@@ -86,6 +104,12 @@ SEARCH_GROUPS = {"single_hop": ("triviaqa", "popqa"),
                  "multi_hop": ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle")}
 # The in-domain benchmark of each domain: the accuracy matrix's columns (tiny: `<domain>/test`).
 FULL_IN_DOMAIN = {"math": "aime26", "search": "nq", "ecommerce": "tau_retail", "if": "ifeval"}
+# --harness lm-eval: lm-eval's task for each of our non-agentic benchmarks and the metric taken as its score (the
+# headline of its task config). None: lm-eval (0.4.13, checked) has no such task, AIME 2024/2025 only and no IFBench,
+# so our harness alone scores it. GPQA: the generative chain-of-thought variant, as our harness samples an answer.
+LM_EVAL_TASKS = {"aime26": None, "gpqa_diamond": ("gpqa_diamond_cot_zeroshot", "exact_match,flexible-extract"),
+                 "mmlu_redux": ("mmlu_redux_generative", "exact_match,default"),
+                 "ifeval": ("ifeval", "prompt_level_strict_acc,none"), "ifbench": None}
 STAGE_RE = re.compile(r"^seq-(\d+)-(\w+)$")  # a sequential stage: seq-<i>-<domain> (seq-<i>-<domain>-rft is not one)
 
 
@@ -317,11 +341,12 @@ def routed_gold(backend, tok, env, items, adapters, ctx):
 
 
 def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mix=False, max_lora_rank=0,
-                  bf16: bool = False, **kwargs) -> dict:
+                  bf16: bool = False, sleep_after: bool = False, **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
     The backend comes from envs.rollout.make_backend: "vllm" starts one engine with the first checkpoint and
     streams each later one into it tensor by tensor (they must share the first one's architecture); bf16: the engine
     computes in bf16 (as training's rollouts do on GPUs; fp32 doubles the memory and slows prefill several times).
+    sleep_after: put the engine to sleep when done (lm-eval's engine comes next on the same GPU).
     Returns the record that main() saves: {ckpt, suite, settings, wall_s, code_revision, benchmarks}."""
     from transformers import AutoTokenizer
 
@@ -339,6 +364,8 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mi
                                             device=torch.device("cuda") if torch.cuda.is_available() else None,
                                             max_tokens=kwargs.get("max_tokens") or 4096, max_lora_rank=max_lora_rank)
     record = evaluate_record(model, tok, path, suite, t0, **kwargs)
+    if sleep_after:
+        kwargs["backend"].sleep()   # vLLM: weights to host memory, KV cache freed (the next checkpoint wakes it)
     return record | (dict(router=router, router_mix=router_mix, experts=mle.experts_of(path)) if weights != path else {})
 
 
@@ -352,6 +379,102 @@ def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
     return {"ckpt": path, "ckpt_id": identity(path), "suite": suite, "settings": settings,
             "wall_s": round(time.time() - t0, 1), "code_revision": code_revision(), "scoring_code": scoring_code(),
             "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmarks": benchmarks}
+
+
+# ----------------------------------------------------------------------------- lm-eval, the second scorer
+
+def check_lm_eval(names, ckpts) -> dict:
+    """--harness lm-eval, checked before any work: lm-eval installed, plain checkpoints, and at least one of the
+    benchmarks `names` with an lm-eval task that the installed version has -> {benchmark: (task, metric)}."""
+    import importlib.util
+
+    import mle
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UsageError('--harness lm-eval needs lm-eval: pip install "lm-eval[ifeval,vllm]" (an optional package)')
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("--harness lm-eval runs lm-eval's vLLM backend: vllm is not installed here")
+    if any(mle.is_mle(path) for path, *_ in ckpts):
+        raise UsageError("--harness lm-eval scores plain checkpoints: it cannot route an MLE directory's tasks to experts")
+    tasks = {b: LM_EVAL_TASKS[b] for b in names if LM_EVAL_TASKS.get(b)}
+    if not tasks:
+        raise UsageError(f"--harness lm-eval: none of {', '.join(names)} has an lm-eval task (it scores "
+                         f"{', '.join(b for b, t in LM_EVAL_TASKS.items() if t)})")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    known = set(TaskManager().all_tasks)
+    missing = [t for t, _ in tasks.values() if t not in known]
+    if missing:
+        raise UsageError(f"--harness lm-eval: lm-eval {lm_eval.__version__} has no task {missing[0]!r} "
+                         f"(LM_EVAL_TASKS names 0.4.13's)")
+    skipped = [b for b in names if b in LM_EVAL_TASKS and b not in tasks]
+    print0(f"lm-eval {lm_eval.__version__} scores {', '.join(f'{b} ({t})' for b, (t, _) in tasks.items())}"
+           + (f"; it has no task for {', '.join(skipped)}" if skipped else ""))
+    return tasks
+
+
+def lm_eval_settings(tasks, settings) -> dict:
+    """What lm-eval is run with (kept in the record as lm_eval_settings; --resume compares it): its version, the
+    tasks, our dtype, --n as its limit, and our per-turn token limit as its max_gen_toks (its task configs cut at
+    1,280 or fewer tokens, which a reasoning model's answer outgrows)."""
+    import lm_eval
+    return {"version": lm_eval.__version__, "tasks": {b: list(t) for b, t in tasks.items()}, "dtype": settings["dtype"],
+            "limit": settings["n"], "max_model_len": settings["max_tokens"], "max_gen_toks": settings["max_turn_tokens"],
+            "apply_chat_template": True, "think_end_token": "</think>", "seed": 0}
+
+
+def lm_eval_scores(path, lm_settings, label="") -> dict:
+    """Score checkpoint `path` with lm-eval (run_lm_eval) in a process of its own, so that its vLLM engine's GPU
+    memory is returned when it ends (two engines in one process share vLLM's process-wide state) -> {benchmark:
+    {task, metric, mean, stderr, metrics, n}} (lm_eval_record)."""
+    import subprocess
+    import tempfile
+    t0 = time.time()
+    if torch.cuda.is_available():   # our engine sleeps; give what the allocator caches back to the driver too
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory(prefix="acl-lm-eval-") as d:
+        out = os.path.join(d, "scores.json")
+        code = "import json, sys, evaluate; evaluate.run_lm_eval(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])"
+        r = subprocess.run([sys.executable, "-c", code, os.path.abspath(path), json.dumps(lm_settings), out],
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        if r.returncode != 0:
+            raise RuntimeError(f"lm-eval on {path} failed (status {r.returncode}; its log is above)")
+        scores = load_results(out)
+    print0(f"{label}lm-eval ({time.time() - t0:.0f}s): " + " | ".join(f"{b} {v['mean']:.3f}" for b, v in scores.items()))
+    return scores
+
+
+def run_lm_eval(path, lm_settings, out):
+    """lm-eval's vLLM backend on checkpoint `path` with lm_settings (lm_eval_settings); writes lm_eval_record's
+    scores to `out`. Runs in lm_eval_scores' child process."""
+    import lm_eval
+    s = lm_settings
+    results = lm_eval.simple_evaluate(
+        model="vllm", model_args=dict(pretrained=path, dtype="bfloat16" if s["dtype"] == "bf16" else "float32",
+                                      max_model_len=s["max_model_len"], gpu_memory_utilization=0.8, seed=s["seed"],
+                                      think_end_token=s["think_end_token"]),
+        tasks=sorted({t for t, _ in s["tasks"].values()}), apply_chat_template=s["apply_chat_template"],
+        gen_kwargs={"max_gen_toks": s["max_gen_toks"]}, limit=s["limit"], log_samples=False, random_seed=s["seed"],
+        numpy_random_seed=s["seed"], torch_random_seed=s["seed"], fewshot_random_seed=s["seed"])
+    save_json(out, lm_eval_record(results, s["tasks"]))
+
+
+def lm_eval_record(results, tasks) -> dict:
+    """lm-eval's results dict -> {benchmark: {task, metric, mean (the metric's value), stderr, metrics (every number
+    it reports for the task or group), n (documents scored; None for a group)}}."""
+    out = {}
+    for bench, (task, metric) in tasks.items():
+        r = results["results"].get(task) or results.get("groups", {}).get(task)
+        if r is None or not isinstance(r.get(metric), (int, float)):
+            raise RuntimeError(f"lm-eval's results have no {metric!r} for task {task!r}")
+        name, _, filt = metric.partition(",")
+        stderr = r.get(f"{name}_stderr,{filt}")
+        out[bench] = {"task": task, "metric": metric, "mean": float(r[metric]),
+                      "stderr": stderr if isinstance(stderr, (int, float)) else None,
+                      "metrics": {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                      "n": (results.get("n-samples", {}).get(task) or {}).get("effective")}
+    return out
 
 
 def scoring_code() -> str:
@@ -687,6 +810,11 @@ def parse_args(argv=None):
                    "or GPU) or vllm (one engine; each further checkpoint's weights are streamed into it)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="the engine's compute precision "
                    "(auto: bf16 on a GPU, as training's rollouts; fp32 on the CPU)")
+    p.add_argument("--devices", default=None, metavar="0,1,...", help="one evaluation process per device (GPU "
+                   "indices, or cpu), checkpoint i on device i mod D; the table once all have ended")
+    p.add_argument("--harness", default="ours", choices=["ours", "lm-eval"], help="lm-eval: also score the full "
+                   "suite's non-agentic benchmarks with lm-eval's vLLM backend (record key benchmarks_lm_eval)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)   # a --devices process: records only
     p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated domains to evaluate")
     p.add_argument("--mixed", nargs="?", const="add", default=None, choices=["add", "only"],
                    help="tiny suite: also the mixed-domain tasks (envs/mixed.py: a search whose answer feeds an "
@@ -804,12 +932,35 @@ def resolve(a) -> dict:
         raise UsageError("--mixed adds the tiny worlds' mixed-domain tasks: the tiny suite, with --splits test or ood")
     if a.mixed and a.router == "tag" and any(mle.is_mle(path) for path, *_ in ckpts):
         raise UsageError("--mixed tasks carry no domain tag: evaluate an MLE checkpoint on them with --router learned")
+    devices = parse_devices(a.devices, len(ckpts)) if a.devices and not a.worker else []
+    if a.harness == "lm-eval" and a.suite != "full":
+        raise UsageError("--harness lm-eval scores the full suite's non-agentic benchmarks: add --suite full")
+    names = benchmarks or [b for b, d in FULL_BENCHMARKS.items() if d in domains]
+    lm_eval_tasks = check_lm_eval(names, ckpts) if a.harness == "lm-eval" else {}
     tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks, mixed=a.mixed)
     if a.router_mix and a.router != "learned":
         raise UsageError("--router-mix blends the experts by the learned router's probabilities: add --router learned")
     lora = max([mle.lora_rank_of(path, a.router_mix) for path, *_ in ckpts if mle.is_mle(path)], default=0)
     return {"domains": domains, "splits": splits, "sources": sources, "env_opts": env_opts, "tasks": tasks,
-            "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved, "max_lora_rank": lora}
+            "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved, "max_lora_rank": lora,
+            "devices": devices, "lm_eval": lm_eval_tasks}
+
+
+def parse_devices(text, n_ckpts) -> list:
+    """--devices: comma-separated GPU indices (as this process sees them) or `cpu` entries -> the devices that get
+    a checkpoint (at most n_ckpts); UsageError on a bad entry, a GPU named twice (two engines on one GPU) or one
+    that is not here."""
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in devices if d != "cpu" and not d.isdigit()]
+    if not devices or bad:
+        raise UsageError(f"--devices takes GPU indices or cpu, comma-separated (0,1,2,3); got {text!r}")
+    gpus = [int(d) for d in devices if d != "cpu"]
+    if len(set(gpus)) != len(gpus):
+        raise UsageError(f"--devices names a GPU twice ({text}): one evaluation process per GPU")
+    count = torch.cuda.device_count() if gpus else 0
+    if any(g >= count for g in gpus):
+        raise UsageError(f"--devices {text}: GPU {max(gpus)} is not here ({count} visible)")
+    return devices[:n_ckpts]
 
 
 def main():
@@ -829,27 +980,49 @@ def main():
                     dtype="bf16" if a.dtype == "bf16" or (a.dtype == "auto" and torch.cuda.is_available()) else "fp32",
                     data=data_identity(r["sources"], r["env_opts"]))
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
+    if r["devices"]:
+        r.pop("tasks")   # the workers load their own; the launcher only waits (a wiki-18 index is gigabytes)
+        named = launch_workers(a, r)
+    else:
+        named = evaluate_all(a, r, settings)
+    if a.worker:   # the launcher prints the tables once every worker has ended
+        return
+    print_tables(a, r, settings, named)
+
+
+def evaluate_all(a, r, settings) -> dict:
+    """Evaluate (or, with --resume, keep) each checkpoint of r["ckpts"] in this process and save its record as soon
+    as it is done -> {name: record}."""
     named, evaluated, t_start = {}, {}, time.time()
+    lm_settings = lm_eval_settings(r["lm_eval"], settings) if r["lm_eval"] else None
+    plain = json.loads(json.dumps(settings))   # as a saved record holds them (tuples as lists)
     for i, (path, name, _, out) in enumerate(r["ckpts"], 1):
         done = load_results(out) if a.resume and not a.save_episodes and os.path.isfile(out) else None
-        if done and (done.get("ckpt"), done.get("ckpt_id"), done.get("scoring_code")) == (path, identity(path),
-                                                                                          scoring_code()) \
-                and done.get("settings") == json.loads(json.dumps(settings)):
+        record = done if done and done.get("settings") == plain and (done.get("ckpt"), done.get("ckpt_id"),
+                                                                      done.get("scoring_code")) == \
+            (path, identity(path), scoring_code()) else None
+        if record and (lm_settings is None or record.get("lm_eval_settings") == lm_settings):
             print0(f"[{name}] evaluated before with these settings and scoring code, from this checkpoint: {out} kept")
-            named[name] = evaluated[path] = done
+            named[name] = evaluated[path] = record
             continue
         episodes = {} if a.save_episodes else None
-        twin = next((p for p in evaluated if episodes is None and same_weights(p, path)), None)
-        if twin:   # e.g. oracle/math = seq/1-math: the same start, data and seed give the same weights
+        twin = None if record else next((p for p in evaluated if episodes is None and same_weights(p, path)), None)
+        if record:
+            print0(f"[{name}] our harness's scores kept from {out}; lm-eval's to add")
+        elif twin:   # e.g. oracle/math = seq/1-math: the same start, data and seed give the same weights
             print0(f"[{name}] the same files as {twin} (acl_meta.json aside): its scores reused")
-            record = dict(evaluated[twin], ckpt=path, same_weights_as=twin, wall_s=0.0)
+            record = dict(evaluated[twin], ckpt=path, ckpt_id=identity(path), same_weights_as=twin, wall_s=0.0)
         else:
             record = evaluate_ckpt(path, a.suite, backend_name=a.backend, router=a.router, router_mix=a.router_mix,
                                    max_lora_rank=r["max_lora_rank"], bf16=settings["dtype"] == "bf16",
                                    seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
                                    max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
-                                   tasks=r["tasks"], label=f"[{name}] ", gold=a.gold, episodes=episodes)
+                                   tasks=r["tasks"], label=f"[{name}] ", gold=a.gold, episodes=episodes,
+                                   sleep_after=lm_settings is not None)
             record["settings"] = settings
+        if lm_settings is not None and record.get("lm_eval_settings") != lm_settings:
+            record = dict(record, benchmarks_lm_eval=lm_eval_scores(path, lm_settings, label=f"[{name}] "),
+                          lm_eval_settings=lm_settings)
         try:
             save_results(out, record)
             if episodes is not None:
@@ -859,7 +1032,49 @@ def main():
         print0(f"saved {out} ({record['wall_s']:.0f}s) | checkpoint {i}/{len(r['ckpts'])} | "
                f"{eta(t_start, i, len(r['ckpts']) - i)}")
         named[name] = evaluated[path] = record
+    return named
+
+
+def launch_workers(a, r) -> dict:
+    """--devices: one `evaluate.py ... --worker` process per device, device j evaluating checkpoints j, j + D, ...
+    in the order given, each seeing only its own GPU (CUDA_VISIBLE_DEVICES; empty for a `cpu` entry); waits for all
+    of them, then reads every checkpoint's record back -> {name: record}. Stops with one line per failed worker
+    (the records of the others are saved: --resume keeps them)."""
+    import signal
+    import subprocess
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    procs = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # so that `finally` ends the workers too
+    try:
+        for j, dev in enumerate(r["devices"]):
+            share = [path for path, *_ in r["ckpts"][j::len(r["devices"])]]
+            gpu = "" if dev == "cpu" else visible.split(",")[int(dev)] if visible else dev   # the physical GPU
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, ACL_EVAL_WORKER=str(j))
+            print0(f"worker {j} on {'cpu' if dev == 'cpu' else 'GPU ' + gpu}: {', '.join(share)}")
+            # sys.argv[0]: the script this process was started as; the later --ckpt replaces the first
+            procs.append((dev, share, subprocess.Popen([sys.executable, sys.argv[0], *sys.argv[1:], "--ckpt", *share,
+                                                        "--worker"], env=env)))
+        failed = [(dev, share, p.wait()) for dev, share, p in procs]
+    finally:
+        for _, _, p in procs:
+            if p.poll() is None:
+                p.terminate()
+    failed = [f for f in failed if f[2] != 0]
+    if failed:
+        sys.exit("\n".join(f"error: the worker on device {dev} ({', '.join(share)}) exited with status {rc} (its "
+                           f"log is above); the other checkpoints' records are saved: add --resume to keep them"
+                           for dev, share, rc in failed))
+    return {name: load_results(out) for _, name, _, out in r["ckpts"]}
+
+
+def print_tables(a, r, settings, named):
+    """The table across checkpoints (our harness), lm-eval's apart (--harness lm-eval), and the accuracy matrix."""
     print0("\n" + markdown_table(named))
+    lm = {name: {b: {"mean": v["mean"], "std": v["stderr"] or 0.0} for b, v in rec["benchmarks_lm_eval"].items()}
+          for name, rec in named.items() if rec.get("benchmarks_lm_eval")}
+    if lm:
+        print0("\nlm-eval, mean ± its standard error over documents (its prompts, greedy decoding and answer "
+               "extraction: not comparable with the table above):\n" + markdown_table(lm))
     if r["stages"]:
         sources = {}
 

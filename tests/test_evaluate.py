@@ -256,6 +256,10 @@ def test_a_checkpoint_with_the_same_files_as_an_earlier_one_reuses_its_scores(mi
     assert orc["benchmarks"] == seq["benchmarks"] and orc["ckpt"] == str(runs / "oracle" / "math")
     assert orc["same_weights_as"] == str(runs / "seq" / "1-math") and "same_weights_as" not in seq
     assert "[oracle-if] math/test seed 0" in r.stdout
+    # a restart with --resume keeps all three, the reused one too (its record names its own checkpoint's identity)
+    r = run_cli("--ckpt", str(runs / "seq" / "1-math"), str(runs / "oracle" / "math"), str(runs / "oracle" / "if"), *fast,
+                "--resume")
+    assert r.returncode == 0 and r.stdout.count("evaluated before") == 3, r.stdout[-2000:]
 
 
 def test_cli_save_episodes(micro, tmp_path):
@@ -304,6 +308,8 @@ def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
     (["--n", "0"], "--n must be >= 1"),
     (["--n", "tset=3"], "--n: unknown split 'tset'"),
     (["--suite", "full", "--benchmarks", "aime26", "--n", "test=3"], "is for the tiny suite"),
+    (["--devices", "cpu,gpu1"], "--devices takes GPU indices or cpu"),
+    (["--harness", "lm-eval"], "--harness lm-eval scores the full suite's non-agentic benchmarks"),
 ])
 def test_bad_input_stops_before_anything_is_written(micro, tmp_path, monkeypatch, capsys, args, message):
     model, tok = micro
