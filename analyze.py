@@ -22,6 +22,13 @@ and KL(reference || checkpoint). Consistency is bucketed by the reference's entr
 a low/high split at --entropy-threshold nats), and the share of all prediction change (KL mass, and top-1
 flips) carried by the high-entropy positions is reported.
 
+The forgetting law (beyond the study; RL's Razor, Shenfeld, Pari, Agrawal 2025: forgetting follows the KL between
+the policies before and after, on the new task's distribution). For every move (a checkpoint from its parent in
+acl_meta.json; a stage with a -rft checkpoint also split into its cold start and its RL), on each domain's test
+prompts (--kl-n): episodes sampled from the checkpoint before, both teacher-forced, KL(before || after) exact over
+the vocabulary at each agent position, per agent token with its SE over episodes (kl_moves). report.py fits the
+earlier domains' drops against it.
+
 Writes runs/<preset>/analysis/: analysis.json (every number), pca.png, cosine.png, token_consistency.png.
 
 Differences from the paper:
@@ -255,6 +262,78 @@ def token_level(ref: str, ckpts: list, labels: list, a) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- the forgetting law
+# RL's Razor (Shenfeld, Pari, Agrawal 2025): forgetting is predicted by KL(pi_before || pi_after) measured on the new
+# task's distribution. Each move (a stage from its parent, split into its cold start and its RL where the -rft
+# checkpoint exists; an oracle, a merge, a consolidator from where it started) is measured on every domain.
+
+def episode_kls(before, after, episodes, pad_id: int, batch: int, before_logits=None) -> list:
+    """[(sum over the episode's agent positions of KL(before || after), agent positions)] for episodes sampled from
+    `before` (token ids, agent positions): at each position the exact KL of the two next-token distributions over
+    the vocabulary (token_stats). By the chain rule an episode's sum is the KL between the two policies' episodes
+    (the environment's tokens are the same under both and cancel); the exact per-position form has less variance
+    than log p_before(y) - log p_after(y) of the sampled token alone. before_logits: position_logits(before, ...) of
+    the same episodes, computed once for all the moves from one checkpoint."""
+    eps, out = [e for e in episodes if e[1]], []
+    b_chunks = before_logits if before_logits is not None else position_logits(before, eps, pad_id, batch)
+    for s, b, a in zip(range(0, len(eps), batch), b_chunks, position_logits(after, eps, pad_id, batch)):
+        chunk = eps[s:s + batch]
+        for part, (_, pos) in zip(token_stats(b, a)[2].split([len(p) for _, p in chunk]), chunk):
+            out.append((float(part.sum()), len(pos)))
+    return out
+
+
+def per_token(kls: list) -> dict:
+    """The KL per agent token (sum over episodes / their tokens) with its standard error over episodes (the ratio
+    estimator's linearisation)."""
+    s, n = np.array([k for k, _ in kls]), np.array([m for _, m in kls], dtype=float)
+    r = s.sum() / n.sum()
+    se = float(np.sqrt(((s - r * n) ** 2).sum() * len(s) / max(len(s) - 1, 1)) / n.sum()) if len(s) > 1 else None
+    return {"kl": float(r), "se": se, "tokens": int(n.sum()), "episodes": len(s)}
+
+
+def moves_of(ckpts: list, base: str) -> list:
+    """(before, after) pairs: each checkpoint from its parent (acl_meta.json), a stage with a -rft sibling split into
+    parent -> -rft (the cold start) and -rft -> stage (the RL)."""
+    pairs = []
+    for p in ckpts:
+        parent = read_meta(p).get("parent")
+        if p.endswith("-rft") or not parent or not is_checkpoint(parent):
+            continue
+        rft = p.rstrip(os.sep) + "-rft"
+        pairs += [(parent, rft), (rft, p)] if is_checkpoint(rft) else []
+        pairs.append((parent, p))
+    return pairs
+
+
+def kl_moves(ckpts: list, base: str, a) -> list:
+    """KL(before || after) per agent token on every domain's `test` prompts (--kl-n each, one sample from `before`)
+    for every move of moves_of: [{before, after, domain, kl, se, tokens, episodes}]. Samples of one `before` are drawn
+    once and shared by its moves."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envs.rollout import HFBackend, rollout
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=DTYPE[a.device]).to(a.device).eval()  # noqa: E731
+    out, samples = [], {}
+    for before, after in moves_of(ckpts, base):
+        tok = AutoTokenizer.from_pretrained(before)
+        m_before, m_after = load(before), load(after)
+        for d in DOMAINS:
+            if (before, d) not in samples:   # its episodes and its logits at their agent positions, once
+                env = make_env(d)
+                eps = rollout(HFBackend(m_before, tok, a.batch), tok, [(env, t) for t in env.tasks("test", n=a.kl_n)],
+                              1, 1.0, seed=a.seed)
+                eps = [(e.token_ids, [t for t, m in enumerate(e.loss_mask) if m]) for e in eps]
+                eps = [e for e in eps if e[1]]
+                samples[before, d] = eps, list(position_logits(m_before, eps, tok.pad_token_id, a.batch))
+            eps, logits = samples[before, d]
+            row = per_token(episode_kls(m_before, m_after, eps, tok.pad_token_id, a.batch, logits))
+            out.append(dict(before=label_of(before), after=label_of(after), domain=d, **row))
+        print(f"[kl] {label_of(before)} -> {label_of(after)}: " + " | ".join(
+            f"{r['domain']} {r['kl']:.4f}" for r in out[-len(DOMAINS):]), flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------- plots
 
 def plot_pca(coords, labels, explained, moving, path):
@@ -343,6 +422,8 @@ def parse_args(argv=None):
     p.add_argument("--entropy-threshold", type=float, default=0.5, help="token level: nats above which a position is high-entropy")
     p.add_argument("--chunk-mb", type=float, default=64, help="model level: rows of a tensor read at once, per checkpoint")
     p.add_argument("--no-tokens", action="store_true", help="skip the token level")
+    p.add_argument("--kl-n", type=int, default=50, help="the forgetting law: test prompts per domain on which each "
+                   "move's KL(before || after) is measured (0: skip it)")
     p.add_argument("--out", default=None, help="output directory (default <runs>/analysis)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the reference")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -354,6 +435,8 @@ def parse_args(argv=None):
     a.ref = a.ref or os.path.join(a.runs, "seq", "1-math")
     a.out = a.out or os.path.join(a.runs, "analysis")
     try:
+        if a.kl_n < 0:
+            raise UsageError("--kl-n must be >= 0")
         if a.n < 1 or a.batch < 1 or a.buckets < 1 or not a.chunk_mb > 0 or (a.threads is not None and a.threads < 1):
             raise UsageError("need --n, --batch, --buckets, --threads >= 1 and --chunk-mb > 0")
         if not a.entropy_threshold >= 0 or a.entropy_threshold == float("inf"):
@@ -434,6 +517,11 @@ def main(argv=None):
             print(f"{lab}: {_pct(rep['low_consistency'])} of low-entropy tokens (H <= {a.entropy_threshold}) keep the "
                   f"reference's top-1; high-entropy tokens ({_pct(rep['high_fraction'])} of positions) carry "
                   f"{_pct(rep['high_kl_share'])} of the KL and {_pct(rep['high_flip_share'])} of the top-1 flips")
+    if a.kl_n:
+        try:
+            result["kl_moves"] = kl_moves(a.ckpts, a.base, a)
+        except UsageError as e:
+            usage_exit(e)
     save_json(os.path.join(a.out, "analysis.json"), result)
     print(f"wrote {a.out}/analysis.json, pca.png, cosine.png{'' if a.no_tokens else ', token_consistency.png'} "
           f"in {time.time() - t0:.1f}s")

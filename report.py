@@ -682,6 +682,73 @@ SDFT_GRID = [("balanced-interleaved", "balanced", "interleaved", "base"), ("bala
              "Seq-Final"), ("nodedup", "balanced", "interleaved", "base, --dedup-threshold 1.0")]
 
 
+def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: str | None = None) -> list:
+    """Beyond the study (RL's Razor: forgetting follows KL(pi_before || pi_after) on the new task's distribution).
+    One point per sequential stage k >= 2 and earlier domain d, per seed: x = the stage's KL per agent token on its
+    own domain (analyze.py --kl-n: its cold start and its RL apart where it has one), y = d's drop over the stage
+    (parent - stage on `test`). The least-squares line y = a + b x with b's standard error, Pearson's r and the points'
+    count; the same with x = the KL on d itself. -> report lines (and the scatter at plot_path)."""
+    pts, rows = [], []
+    for run, recs, an in zip(runs, recs_by_seed, analyses):
+        kl = {(m["before"], m["after"], m["domain"]): m for m in (an or {}).get("kl_moves", [])}
+        for k, d_new in enumerate(DOMAINS[1:], 2):
+            after, before = f"seq-{k}-{d_new}", f"seq-{k - 1}-{DOMAINS[k - 2]}"
+            own = kl.get((before, after, d_new))
+            if own is None or after not in recs or before not in recs:
+                continue
+            scores, drops = Scores.from_records({"b": recs[before], "a": recs[after]}), []
+            for d in DOMAINS[: k - 1]:
+                drop = scores.diff("a", "b", f"{d}/test")          # parent - stage, paired over the tasks
+                if drop[0] is None or (before, after, d) not in kl:
+                    continue
+                pts.append((own["kl"], kl[before, after, d]["kl"], drop[0]))
+                drops.append((d, drop))
+            rft, rl = kl.get((before, after + "-rft", d_new)), kl.get((after + "-rft", after, d_new))
+            rows.append(f"| {os.path.basename(os.path.abspath(run))} | {after} | {fmt(own['kl'], own['se'], 4)} | "
+                        f"{fmt(rft['kl'], nd=4) if rft else '–'} | {fmt(rl['kl'], nd=4) if rl else '–'} | " +
+                        ", ".join(f"{d} {fmt(x, se)}" for d, (x, se) in drops) + " |")
+    if not pts:
+        return []
+
+    def fit(xs, ys):
+        x, y = np.array(xs), np.array(ys)
+        if len(x) < 3 or x.std() == 0:
+            return None
+        b, a0 = np.polyfit(x, y, 1)
+        resid = y - (a0 + b * x)
+        se = float(np.sqrt((resid ** 2).sum() / (len(x) - 2) / ((x - x.mean()) ** 2).sum()))
+        return b, se, float(np.corrcoef(x, y)[0, 1]) if y.std() > 0 else float("nan"), len(x)
+    lines = ["## The forgetting law (beyond the study)", "",
+             "RL's Razor (Shenfeld, Pari, Agrawal 2025) predicts forgetting from KL(π_before ‖ π_after) on the new "
+             "task's own prompts. Per stage: its KL per agent token on its own domain (± SE over episodes; its cold "
+             "start and its RL apart), and each earlier domain's drop over the stage (parent − stage, paired SE):", "",
+             "| run | stage | KL on its own domain | cold start | RL | drop of each earlier domain |", "|---|---|---|---|---|---|",
+             *rows, ""]
+    for name, xs in (("its own domain (the law's predictor)", [p[0] for p in pts]),
+                     ("the earlier domain itself", [p[1] for p in pts])):
+        f = fit(xs, [p[2] for p in pts])
+        lines.append(f"- drop = a + b · KL on {name}: " + (f"b = {f[0]:.2f} ± {f[1]:.2f}, r = {f[2]:.2f}, {f[3]} points"
+                                                           if f else f"too few points ({len(pts)}) to fit"))
+    if plot_path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(4.5, 3.4))
+        ax.scatter([p[0] for p in pts], [p[2] for p in pts], s=18)
+        f = fit([p[0] for p in pts], [p[2] for p in pts])
+        if f:
+            xs = np.linspace(0, max(p[0] for p in pts), 20)
+            a0 = np.mean([p[2] for p in pts]) - f[0] * np.mean([p[0] for p in pts])
+            ax.plot(xs, a0 + f[0] * xs, lw=1)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("KL(before ‖ after) per token, stage's own domain")
+        ax.set_ylabel("drop of an earlier domain (test)")
+        fig.tight_layout()
+        write_file_atomically(plot_path, lambda tmp: fig.savefig(tmp), suffix=".png")
+        plt.close(fig)
+    return lines + [""]
+
+
 def sdft_grid(eval_dir: str) -> str | None:
     """The SDFT ablation grid (arena.sh SDFT_GRID=1: eval/sdft-ablation-<cell>.json) as a table of each domain's
     `test` score ± SE and its paired difference to the default SDFT; None when the grid was not run."""
@@ -782,11 +849,17 @@ def report(runs: str, out: str, seed_runs=()) -> str:
             lines += ["## The accuracy matrix of the sequential run", "", matrix_table(m), ""]
             if any(x is not None for row in g["matrix"] for x in row):
                 lines += [matrix_table(g), ""]
+    def analysis_of(run):
+        path = os.path.join(run, "analysis", "analysis.json")
+        return json.load(open(path)) if os.path.isfile(path) else None
+    law_png = os.path.join(runs, "analysis", "forgetting_kl.png")   # (the first seed's directory; every seed's points)
+    law = forgetting_law(all_runs, recs_by_seed, [analysis_of(r) for r in all_runs], law_png)
     plots = [("accuracy after each stage", os.path.join(eval_dir, "seq_matrix.png")),
              ("gold log-likelihood after each stage", os.path.join(eval_dir, "seq_matrix_gold.png")),
              ("PCA of the weight displacements", os.path.join(runs, "analysis", "pca.png")),
              ("cosines of the displacements", os.path.join(runs, "analysis", "cosine.png")),
-             ("token consistency by entropy", os.path.join(runs, "analysis", "token_consistency.png"))]
+             ("token consistency by entropy", os.path.join(runs, "analysis", "token_consistency.png")),
+             *([("forgetting against the stage's KL on its own domain", law_png)] if law else [])]
     if os.path.isfile(os.path.join(runs, "mmopd", "acl_meta.json")):
         import mmopd
         kl = os.path.join(runs, "analysis", "mmopd_kl.png")
@@ -805,11 +878,9 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     if shown:
         lines += ["## Plots" + (" (the first training seed's run)" if n > 1 else ""), ""] + \
             [f"![{t}]({rel(p)})" for t, p in shown] + [""]
-    def analysis_of(run):
-        path = os.path.join(run, "analysis", "analysis.json")
-        return json.load(open(path)) if os.path.isfile(path) else None
     checked = [check_findings(Scores.from_records(rs), analysis_of(r)) for r, rs in zip(all_runs, recs_by_seed)]
     lines += findings_section(checked, seeds)
+    lines += [""] + law if law else []
     sdft = sdft_grid(eval_dir)
     if sdft:
         lines += ["", "## The SDFT ablation grid", "", sdft]

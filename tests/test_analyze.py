@@ -134,7 +134,7 @@ def test_cli_end_to_end_and_an_identical_checkpoint(ckpts, tmp_path):
         import shutil
         shutil.copytree(paths[0], identical)
     r = subprocess.run([sys.executable, "analyze.py", "--base", base, "--ckpts", *paths, identical, "--ref", paths[0],
-                        "--n", "4", "--batch", "4", "--buckets", "2", "--out", str(tmp_path / "a"), "--threads", "1"],
+                        "--n", "4", "--batch", "4", "--buckets", "2", "--out", str(tmp_path / "a"), "--threads", "1", "--kl-n", "3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -146,6 +146,49 @@ def test_cli_end_to_end_and_an_identical_checkpoint(ckpts, tmp_path):
     assert out["token"]["n_positions"] > 0 and len(out["token"]["checkpoints"]) == 3   # the reference itself is not compared
     assert out["norms"][labels[2]] == 0 and out["cosine"]["all"][0][3] == pytest.approx(1.0)
     assert [m["checkpoint"] for m in out["stage_moves"]] == labels   # each from the base, its parent
+    kl = {(m["after"], m["domain"]): m for m in out["kl_moves"]}         # the forgetting law's KL, every domain
+    assert len(kl) == 4 * 4 and all(m["before"] == "base" and m["episodes"] > 0 for m in out["kl_moves"])
+    assert kl[labels[2], "math"]["kl"] == pytest.approx(0, abs=1e-6) and kl[labels[1], "math"]["kl"] > 0
+
+
+def test_the_kl_estimator_against_the_exact_kl_by_enumeration(ckpts):
+    """KL(before || after) between two micro models' distributions over 2-token continuations of a prompt, exactly by
+    enumerating the first token (the second's KL is exact given it): the estimator on continuations sampled from
+    `before` (episode_kls, per_token) lands within 4 of its standard errors, and is exactly 0 for a model against
+    itself."""
+    from transformers import AutoModelForCausalLM
+    _, _, paths = ckpts
+    before, after = (AutoModelForCausalLM.from_pretrained(p).eval() for p in paths[:2])
+    prompt = [5, 17, 33, 2]
+    with torch.no_grad():
+        lb, la = (torch.log_softmax(m(input_ids=torch.tensor([prompt])).logits[0, -1], -1) for m in (before, after))
+        V = lb.numel()
+        second = torch.tensor([prompt + [y] for y in range(V)])
+        lb2, la2 = (torch.log_softmax(m(input_ids=second).logits[:, -1], -1) for m in (before, after))
+    kl1 = (lb.exp() * (lb - la)).sum()
+    kl2 = (lb2.exp() * (lb2 - la2)).sum(-1)                     # given each first token
+    exact = float(kl1 + (lb.exp() * kl2).sum()) / 2             # per agent token: every continuation has two
+    g = torch.Generator().manual_seed(0)
+    eps = []
+    for _ in range(300):
+        y1 = int(torch.multinomial(lb.exp(), 1, generator=g))
+        y2 = int(torch.multinomial(lb2[y1].exp(), 1, generator=g))
+        eps.append((prompt + [y1, y2], [len(prompt), len(prompt) + 1]))
+    est = analyze.per_token(analyze.episode_kls(before, after, eps, 0, 64))
+    assert est["tokens"] == 600 and est["episodes"] == 300
+    assert abs(est["kl"] - exact) < 4 * est["se"], (est, exact)
+    assert est["se"] < 0.2 * exact                                # the check has power
+    assert analyze.per_token(analyze.episode_kls(before, before, eps, 0, 64))["kl"] == pytest.approx(0, abs=1e-6)
+
+
+def test_moves_split_a_stage_into_its_cold_start_and_its_rl(tmp_path, micro):
+    model, tok = micro
+    base = save_checkpoint(str(tmp_path / "base"), model, tok, {"method": "base"})
+    s1 = save_checkpoint(str(tmp_path / "1-math"), model, tok, {"method": "seq", "parent": base})
+    save_checkpoint(str(tmp_path / "2-search-rft"), model, tok, {"method": "seq", "parent": s1})
+    s2 = save_checkpoint(str(tmp_path / "2-search"), model, tok, {"method": "seq", "parent": s1})
+    rft = s2 + "-rft"
+    assert analyze.moves_of([s1, rft, s2], base) == [(base, s1), (s1, rft), (rft, s2), (s1, s2)]
 
 
 def test_bad_input_stops_with_one_line(ckpts, tmp_path):

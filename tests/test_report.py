@@ -307,3 +307,26 @@ def test_a_report_never_mixes_records_of_other_scoring_code_or_settings(run, tmp
         report.report(str(run), str(tmp_path / "r.md"))
     (ev / "sdft.json").write_text(json.dumps(dict(rec, code_revision="c2")))   # another commit, the same scoring
     assert "scored by code abc at commits c1, c2" in open(report.report(str(run), str(tmp_path / "r.md"))).read()
+
+
+def test_the_forgetting_law_section_fits_drop_against_kl(run, tmp_path):
+    """analyze.py's kl_moves beside the records: one point per stage k >= 2 and earlier domain (the stage's KL on its
+    own domain, the earlier domain's paired drop), the least-squares slope with its SE, and the scatter plotted."""
+    path = run / "analysis" / "analysis.json"
+    an = json.loads(path.read_text())
+    moves = []
+    for k, (d, kl) in enumerate(zip(ALL[1:], (0.02, 0.09, 0.05)), 2):
+        for dd in ALL:
+            moves.append(dict(before=f"seq-{k - 1}-{ALL[k - 2]}", after=f"seq-{k}-{d}", domain=dd,
+                              kl=kl if dd == d else kl / 3, se=0.001, tokens=100, episodes=10))
+    moves.append(dict(before="seq-2-search-rft", after="seq-2-search", domain="search", kl=0.005, se=0.001,
+                      tokens=100, episodes=10))
+    moves.append(dict(before="seq-1-math", after="seq-2-search-rft", domain="search", kl=0.015, se=0.001,
+                      tokens=100, episodes=10))
+    path.write_text(json.dumps(dict(an, kl_moves=moves)))
+    text = open(report.report(str(run), str(tmp_path / "r.md"))).read()
+    assert "## The forgetting law (beyond the study)" in text
+    assert "| seq-2-search | 0.0200 ± 0.0010 | 0.0150 | 0.0050 | math 0.000 ± 0.000 |" in text
+    assert "| seq-3-ecommerce | 0.0900 ± 0.0010 | – | – | math 0.400 ± " in text   # 0.6 -> 0.2
+    assert "b = " in text and "6 points" in text
+    assert (run / "analysis" / "forgetting_kl.png").is_file()
