@@ -195,7 +195,9 @@ def main():
     # train_seq's own resolved flags (tiny preset): micro_batch, gen_batch, lr, clip_low/high, agg, tis_cap, ...
     a = train_seq.get_args(["--prompts", str(b.prompts), "--group", str(b.group), "--max-turn-tokens",
                             str(b.max_new_tokens), "--max-tokens", str(b.max_new_tokens + 1024), "--seed", str(b.seed)])
-    a = train_seq.stage_args(a, "math")   # the math stage's --lr and --kl-coef as numbers
+    train_seq.check_shared_flags(a, ["math"])   # the per-stage flags resolved as train_seq.py resolves them
+    train_seq.check_grpo_flags(a, ["math"])
+    a = train_seq.stage_args(a, "math")   # the math stage's --lr, --kl-coef, --group and token limits as numbers
     a.prompts, a.threads = b.prompts, b.threads
     a.micro_batch = min(a.micro_batch, b.prompts * b.group)
     if b.group < 2 or b.prompts < 1 or b.repeats < 1 or (b.prompts * b.group) % a.micro_batch:

@@ -167,3 +167,16 @@ def test_gpu_check_runs_every_step_on_the_cpu(tmp_path):
         assert f"== {name}: exit 0" in log, log[-2000:]
     assert "3 passed" in log and "1 passed" in log and "every step passed" in log
     assert "sampled log-probs against teacher forcing on cpu" in log
+
+
+# ----------------------------------------------------------------------------- bench/tiny_sizes.py
+def test_tiny_sizes_smoke(tmp_path):
+    """Two sizes at toy batch and length: every column, the 1 M model as the peer (ratio 1.00), positive rates; a bad
+    size stops in one line."""
+    rows = table(bench(tmp_path, "bench/tiny_sizes.py", "--smoke", "--threads", "1"))
+    assert rows["size"] == ["parameters", "decode tokens/s", "train tokens/s", "decode ÷ 1m", "train ÷ 1m"]
+    assert rows["1m"][0] == "1.09 M" and rows["1m"][3:] == ["1.00", "1.00"] and rows["3m"][0] == "3.21 M"
+    assert all(float(x.replace(",", "")) > 0 for r in ("1m", "3m") for x in rows[r][1:3])
+    p = subprocess.run([sys.executable, "bench/tiny_sizes.py", "--sizes", "2m"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.strip() == "error: unknown size '2m' (of 1m, 3m, 6m, 12m)"

@@ -38,8 +38,10 @@ def test_the_method_files_stay_readable_in_size():
     sharded resume states through torch.distributed.checkpoint, bf16 checkpoints, W&B logging, the process-group
     timeout). Raised once more by the 8B first day (issues 38, 45): train_seq.py to ~590 (the KL reference after the
     cold start, the watched metrics, the wake order), common.py to ~770 (the backend map that serves CPU tensors on
-    GPUs, the one-GPU group, save_policy's barrier, fsync before a rename). The issue that rebuilds the house
-    replaces this ratchet with the layer rule."""
+    GPUs, the one-GPU group, save_policy's barrier, fsync before a rename). Raised by issue 39 and 38's rest:
+    train_seq.py to ~615 (the parent's and data's identity in a stage's recipe, --group and the token limits per
+    stage), common.py to ~820 (lineage by identity, the leftover sweep by writer, loading for the shard). The issue
+    that rebuilds the house (40) replaces this ratchet with the layer rule."""
     def n(name):
         return sum(1 for _ in open(os.path.join(ROOT, name)))
-    assert n("train_seq.py") <= 590 and n("common.py") <= 770 and n("train_step.py") <= 600 and n("scale.py") <= 600
+    assert n("train_seq.py") <= 615 and n("common.py") <= 820 and n("train_step.py") <= 600 and n("scale.py") <= 600
