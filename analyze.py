@@ -314,10 +314,11 @@ def kl_moves(ckpts: list, base: str, a) -> list:
 
     from envs.rollout import HFBackend, rollout
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=DTYPE[a.device]).to(a.device).eval()  # noqa: E731
-    out, samples = [], {}
+    out, samples, loaded = [], {}, None
     for before, after in moves_of(ckpts, base):
-        tok = AutoTokenizer.from_pretrained(before)
-        m_before, m_after = load(before), load(after)
+        if before != loaded:   # consecutive moves from one checkpoint (the oracles from the base) load it once
+            tok, m_before, loaded = AutoTokenizer.from_pretrained(before), load(before), before
+        m_after = load(after)
         for d in DOMAINS:
             if (before, d) not in samples:   # its episodes and its logits at their agent positions, once
                 env = make_env(d)

@@ -351,7 +351,8 @@ def parse_args(argv=None):
         for ckpt in a.oracles or []:
             if not is_checkpoint(ckpt):
                 raise UsageError(f"not a checkpoint directory (no config.json): {ckpt}")
-        a.done = read_meta(a.out).get("method") == "merge" and read_meta(a.out).get("recipe") == recipe(a)
+        done = read_meta(a.out)
+        a.done = done.get("method") == "merge" and done.get("recipe") == recipe(a)
         if not a.done:
             check_output(a.out, "merge", inputs=[a.base, *a.models, *(a.oracles or [])], overwrite=a.overwrite)
     except UsageError as e:

@@ -717,16 +717,17 @@ def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: st
         b, a0 = np.polyfit(x, y, 1)
         resid = y - (a0 + b * x)
         se = float(np.sqrt((resid ** 2).sum() / (len(x) - 2) / ((x - x.mean()) ** 2).sum()))
-        return b, se, float(np.corrcoef(x, y)[0, 1]) if y.std() > 0 else float("nan"), len(x)
+        return b, se, float(np.corrcoef(x, y)[0, 1]) if y.std() > 0 else float("nan"), len(x), a0
     lines = ["## The forgetting law (beyond the study)", "",
              "RL's Razor (Shenfeld, Pari, Agrawal 2025) predicts forgetting from KL(π_before ‖ π_after) on the new "
              "task's own prompts. Per stage: its KL per agent token on its own domain (± SE over episodes; its cold "
              "start and its RL apart), and each earlier domain's drop over the stage (parent − stage, paired SE):", "",
              "| run | stage | KL on its own domain | cold start | RL | drop of each earlier domain |", "|---|---|---|---|---|---|",
              *rows, ""]
+    fits = {}
     for name, xs in (("its own domain (the law's predictor)", [p[0] for p in pts]),
                      ("the earlier domain itself", [p[1] for p in pts])):
-        f = fit(xs, [p[2] for p in pts])
+        f = fits[name] = fit(xs, [p[2] for p in pts])
         lines.append(f"- drop = a + b · KL on {name}: " + (f"b = {f[0]:.2f} ± {f[1]:.2f}, r = {f[2]:.2f}, {f[3]} points"
                                                            if f else f"too few points ({len(pts)}) to fit"))
     if plot_path:
@@ -735,11 +736,10 @@ def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: st
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(4.5, 3.4))
         ax.scatter([p[0] for p in pts], [p[2] for p in pts], s=18)
-        f = fit([p[0] for p in pts], [p[2] for p in pts])
+        f = fits["its own domain (the law's predictor)"]
         if f:
             xs = np.linspace(0, max(p[0] for p in pts), 20)
-            a0 = np.mean([p[2] for p in pts]) - f[0] * np.mean([p[0] for p in pts])
-            ax.plot(xs, a0 + f[0] * xs, lw=1)
+            ax.plot(xs, f[4] + f[0] * xs, lw=1)
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_xlabel("KL(before ‖ after) per token, stage's own domain")
         ax.set_ylabel("drop of an earlier domain (test)")
