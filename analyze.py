@@ -44,18 +44,22 @@ import time
 import numpy as np
 import torch
 
-from common import (
+from acl.common import (
     Parser,
     check_writable,
     is_checkpoint,
     read_header,
     read_meta,
     read_tensor,
+    run_name,
     same_tensors,
+    save_figure,
+    save_json,
     shard_files,
     usage_exit,
 )
-from envs import DOMAINS, UsageError, make_env
+from envs import DOMAINS, make_env
+from envs.base import UsageError
 
 GROUPS = ("attention", "mlp", "embeddings", "norms")
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}   # token level: the models' dtype per device
@@ -213,7 +217,8 @@ def sample_reference(ref: str, domain: str, n: int, batch: int, seed: int, devic
     the reference model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envs.rollout import HFBackend, rollout
+    from acl.engine import HFBackend
+    from envs.rollout import rollout
     tok = AutoTokenizer.from_pretrained(ref)
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPE[device]).to(device).eval()
     env = make_env(domain)
@@ -312,7 +317,8 @@ def kl_moves(ckpts: list, base: str, a) -> list:
     once and shared by its moves."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envs.rollout import HFBackend, rollout
+    from acl.engine import HFBackend
+    from envs.rollout import rollout
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=DTYPE[a.device]).to(a.device).eval()  # noqa: E731
     out, samples, loaded = [], {}, None
     for before, after in moves_of(ckpts, base):
@@ -344,7 +350,6 @@ def plot_pca(coords, labels, explained, moving, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from evaluate import save_figure
     fig, ax = plt.subplots(figsize=(7, 5.5))
     seq = [i for i, lab in enumerate(labels) if lab.startswith("seq-") and not lab.endswith("-rft") and moving[i]]
     ax.plot([coords[i, 0] for i in seq], [coords[i, 1] for i in seq], "-", color="C0", label="sequential stages, in order")
@@ -367,7 +372,6 @@ def plot_cosine(C, labels, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from evaluate import save_figure
     fig, ax = plt.subplots(figsize=(1.5 + 0.55 * len(labels), 1.2 + 0.5 * len(labels)))
     im = ax.imshow(C, cmap="coolwarm", vmin=-1, vmax=1)
     ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
@@ -385,7 +389,6 @@ def plot_consistency(tok: dict, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from evaluate import save_figure
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, rep in tok["checkpoints"].items():
         ys = [b["consistency"] for b in rep["buckets"]]
@@ -466,7 +469,6 @@ def reference_domain(ref: str, flag: str | None) -> str:
 
 
 def label_of(path: str) -> str:
-    from evaluate import run_name
     return run_name(path)[1]
 
 
@@ -474,7 +476,6 @@ def main(argv=None):
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from common import save_json
     t0 = time.time()
     labels = [label_of(c) for c in a.ckpts]
     try:

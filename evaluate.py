@@ -55,7 +55,6 @@ Differences from the paper / notes:
 import argparse
 import glob
 import json
-import math
 import os
 import re
 import statistics
@@ -64,7 +63,8 @@ import time
 
 import torch
 
-from common import (
+from acl import routing
+from acl.common import (
     Parser,
     check_output,
     check_writable,
@@ -73,25 +73,30 @@ from common import (
     identity,
     is_checkpoint,
     print0,
+    run_name,
     save_json,
     usage_exit,
-    write_file_atomically,
 )
-from envs import DOMAINS, UsageError, add_data_flags, env_options, make_env, parse_domains
-from envs.base import SPLITS
-from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, HFBackend, episode_record, make_backend, rollout
+from acl.engine import HFBackend, make_backend
+from acl.forgetting import (
+    FULL_BENCHMARKS,
+    accuracy_matrix,
+    bench_domain,
+    benchmarks_of,
+    load_results,
+    markdown_table,
+    matrix_table,
+    plot_matrix,
+)
+from envs import DOMAINS, add_data_flags, env_options, make_env, parse_domains
+from envs.base import SPLITS, UsageError
+from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, episode_record, rollout
 
 SUITES = ("tiny", "full")
 # Per-suite defaults: tasks per benchmark (None = all), token limits per episode and per assistant turn.
 # Full scale uses Qwen3's native 32k context; the tiny model is built for 1-2k tokens.
 SUITE_DEFAULTS = {"tiny": {"n": 300, "max_tokens": MAX_TOKENS, "max_turn_tokens": MAX_TURN_TOKENS},
                   "full": {"n": None, "max_tokens": 32768, "max_turn_tokens": 16384}}
-# Full-suite benchmark -> domain, in the paper's table order.
-FULL_BENCHMARKS = {"aime26": "math", "gpqa_diamond": "math", "mmlu_redux": "math",
-                   "nq": "search", "triviaqa": "search", "popqa": "search", "hotpotqa": "search",
-                   "2wikimultihopqa": "search", "musique": "search", "bamboogle": "search",
-                   "tau_retail": "ecommerce", "tau_mock": "ecommerce", "tau_telecom": "ecommerce",
-                   "ifeval": "if", "ifbench": "if"}
 TAU_SPLIT = {"tau_retail": "test", "tau_mock": "base", "tau_telecom": "base"}   # tau3's base splits: 10 and 114 tasks
 DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark samples once per task
 # Sampling temperature per domain. Full: the released evaluation's math 0.6 and tau 0.7; it sets none for search and
@@ -99,11 +104,6 @@ DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark 
 # (the policy's own distribution). --temperature overrides all, or some domains (math=0.6,...).
 SUITE_TEMPERATURE = {"tiny": {"math": 1.0, "search": 1.0, "ecommerce": 1.0, "if": 1.0},
                      "full": {"math": 0.6, "search": 1.0, "ecommerce": 0.7, "if": 1.0}}
-# The study's search columns beside NQ (in-domain): single-hop and multi-hop averages over these benchmarks.
-SEARCH_GROUPS = {"single_hop": ("triviaqa", "popqa"),
-                 "multi_hop": ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle")}
-# The in-domain benchmark of each domain: the accuracy matrix's columns (tiny: `<domain>/test`).
-FULL_IN_DOMAIN = {"math": "aime26", "search": "nq", "ecommerce": "tau_retail", "if": "ifeval"}
 # --harness lm-eval: lm-eval's task for each of our non-agentic benchmarks and the metric taken as its score (the
 # headline of its task config). None: lm-eval (0.4.13, checked) has no such task, AIME 2024/2025 only and no IFBench,
 # so our harness alone scores it. GPQA: the generative chain-of-thought variant, as our harness samples an answer.
@@ -271,12 +271,12 @@ def gold_likelihood(model, tok, env, tasks, *, batch_tokens: int = 4096, max_tok
     (envs.rollout.expert_episodes), on the expert's (agent) tokens only. Per task: the mean log-likelihood per
     agent token and the fraction of agent tokens that are the model's top-1 prediction; the benchmark's values
     are their means over tasks. Deterministic: no sampling. None when no task has an expert (real data).
-    Episodes run as whole sequences batched by length (train_step.micro_batches, at most batch_tokens padded tokens),
+    Episodes run as whole sequences batched by length (acl.step.micro_batches, at most batch_tokens padded tokens),
     right-padded and with no attention mask: under causal attention no token sees the padding after it, and without
     a mask attention takes its fast causal path (e-commerce's ~1,000-token episodes: 1.6x faster than left-padded
     prompts with a mask).
     -> {loglik, top1, n, tokens, expert_reward, task_ids, per_task_loglik, per_task_top1}"""
-    from train_step import micro_batches, pad_id
+    from acl.step import micro_batches, pad_id
     eps = _expert_episodes(tok, env, tasks, max_tokens, max_turn_tokens)
     if not eps:
         return None
@@ -343,22 +343,21 @@ def routed_gold(backend, tok, env, items, adapters, ctx):
 def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mix=False, max_lora_rank=0,
                   bf16: bool = False, sleep_after: bool = False, **kwargs) -> dict:
     """Load a Hugging Face checkpoint directory and evaluate it (keyword arguments as evaluate_model's).
-    The backend comes from envs.rollout.make_backend: "vllm" starts one engine with the first checkpoint and
+    The backend comes from acl.engine.make_backend: "vllm" starts one engine with the first checkpoint and
     streams each later one into it tensor by tensor (they must share the first one's architecture); bf16: the engine
     computes in bf16 (as training's rollouts do on GPUs; fp32 doubles the memory and slows prefill several times).
     sleep_after: put the engine to sleep when done (lm-eval's engine comes next on the same GPU).
     Returns the record that main() saves: {ckpt, suite, settings, wall_s, code_revision, benchmarks}."""
     from transformers import AutoTokenizer
 
-    import mle
-    weights = mle.backbone_of(path) if mle.is_mle(path) else path   # an MLE directory: its backbone + experts
+    weights = routing.backbone_of(path) if routing.is_mle(path) else path   # an MLE directory: its backbone + experts
     if not is_checkpoint(weights):
         raise UsageError(f"not a checkpoint directory (no config.json): {path}")
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(weights)
     kwargs.setdefault("label", f"[{path}] ")
     if weights != path:
-        kwargs["route"] = mle.router(path, router, tok, mix=router_mix)
+        kwargs["route"] = routing.router(path, router, tok, mix=router_mix)
     batch = kwargs.get("batch", 64) if backend_name == "hf" else max(kwargs.get("batch", 64), 256)
     kwargs["backend"], model = make_backend(backend_name, tok, weights, gen_batch=batch, bf16=bf16,
                                             device=torch.device("cuda") if torch.cuda.is_available() else None,
@@ -366,7 +365,7 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mi
     record = evaluate_record(model, tok, path, suite, t0, **kwargs)
     if sleep_after:
         kwargs["backend"].sleep()   # vLLM: weights to host memory, KV cache freed (the next checkpoint wakes it)
-    return record | (dict(router=router, router_mix=router_mix, experts=mle.experts_of(path)) if weights != path else {})
+    return record | (dict(router=router, router_mix=router_mix, experts=routing.experts_of(path)) if weights != path else {})
 
 
 def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
@@ -388,12 +387,11 @@ def check_lm_eval(names, ckpts) -> dict:
     benchmarks `names` with an lm-eval task that the installed version has -> {benchmark: (task, metric)}."""
     import importlib.util
 
-    import mle
     if importlib.util.find_spec("lm_eval") is None:
         raise UsageError('--harness lm-eval needs lm-eval: pip install "lm-eval[ifeval,vllm]" (an optional package)')
     if importlib.util.find_spec("vllm") is None:
         raise UsageError("--harness lm-eval runs lm-eval's vLLM backend: vllm is not installed here")
-    if any(mle.is_mle(path) for path, *_ in ckpts):
+    if any(routing.is_mle(path) for path, *_ in ckpts):
         raise UsageError("--harness lm-eval scores plain checkpoints: it cannot route an MLE directory's tasks to experts")
     tasks = {b: LM_EVAL_TASKS[b] for b in names if LM_EVAL_TASKS.get(b)}
     if not tasks:
@@ -478,12 +476,12 @@ def lm_eval_record(results, tasks) -> dict:
 
 
 def scoring_code() -> str:
-    """A hash of the code that turns a checkpoint into scores: the environments (tasks, rollouts, rewards), this file
-    and MLE's serving. --resume keeps no record made by other scoring code (a `git pull` that changes a reward), and
+    """A hash of the code that turns a checkpoint into scores: the environments (tasks, rollouts, rewards), this file,
+    the engines that sample and MLE's serving. --resume keeps no record made by other scoring code (a `git pull` that changes a reward), and
     report.py puts no two in one table; a change elsewhere (training, the report) leaves it as it is."""
     import hashlib
     here = os.path.dirname(os.path.abspath(__file__))
-    files = [os.path.join(here, "evaluate.py"), os.path.join(here, "mle.py")] + \
+    files = [os.path.join(here, "evaluate.py")] + [os.path.join(here, "acl", f"{m}.py") for m in ("engine", "vllm", "routing")] + \
         sorted(glob.glob(os.path.join(here, "envs", "*.py")))
     h = hashlib.sha256()
     for f in files:
@@ -516,7 +514,7 @@ def settings_note(saved, settings) -> str:
     """How a saved record was made, for the accuracy matrix's rows: its task count, and every setting that
     differs from this run's (so rows made differently are never mixed silently)."""
     theirs = dict(saved.get("settings") or {})
-    theirs["n"] = "/".join(map(str, sorted({b["n"] for b in _benchmarks(saved).values()})))
+    theirs["n"] = "/".join(map(str, sorted({b["n"] for b in benchmarks_of(saved).values()})))
     diff = [f"{k} {theirs.get(k)} here {settings.get(k)}" for k in MATRIX_SETTINGS[1:]
             if k in theirs and theirs.get(k) != settings.get(k)]
     return ", ".join([f"n={theirs['n']}"] + (["other settings: " + "; ".join(diff)] if diff else []))
@@ -526,21 +524,6 @@ def inrun_path(eval_dir, name):
     """Where a training script's in-run evaluation of checkpoint `name` goes: eval/inrun/<name>.json, apart from
     evaluate.py's own records (eval/<name>.json), which it must never replace: it runs on fewer tasks."""
     return os.path.join(eval_dir, "inrun", f"{name}.json")
-
-
-def load_results(path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def _benchmarks(results) -> dict:
-    """{benchmark: {...}} of either a saved record or evaluate_model's output."""
-    return results["benchmarks"] if isinstance(results.get("benchmarks"), dict) else results
-
-
-def bench_domain(name) -> str:
-    """The domain of a benchmark: FULL_BENCHMARKS', or the tiny suite's `<domain>/<split>` prefix (`mixed/test`: mixed)."""
-    return FULL_BENCHMARKS.get(name) or name.split("/")[0]
 
 
 def eval_temperatures(text, suite):
@@ -558,208 +541,10 @@ def eval_temperatures(text, suite):
     return temps if len(set(temps.values())) > 1 else next(iter(temps.values()))
 
 
-def group_averages(benchmarks) -> dict:
-    """The study's search columns: {group: {mean, std, n, of}} for each SEARCH_GROUPS group whose benchmarks were all
-    evaluated: per seed the unweighted mean of the members' scores, then mean and sample std over seeds."""
-    out = {}
-    for group, members in SEARCH_GROUPS.items():
-        if not all(m in benchmarks for m in members):
-            continue
-        per_seed = [statistics.mean(vals) for vals in zip(*(benchmarks[m]["per_seed"] for m in members))]
-        out[group] = {"mean": statistics.mean(per_seed), "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
-                      "n": sum(benchmarks[m]["n"] for m in members), "of": list(members), "per_seed": per_seed}
-    return out
-
-
 # ----------------------------------------------------------------------------- tables and the accuracy matrix
-
-def markdown_table(named_results) -> str:
-    """Rows: checkpoints ({name: results}), columns: every benchmark seen, then the search groups' averages where all
-    their members were evaluated (single_hop, multi_hop: group_averages), cells `mean ± std`."""
-    columns = []
-    for r in named_results.values():
-        b = _benchmarks(r)
-        columns += [c for c in [*b, *group_averages(b)] if c not in columns]
-    lines = ["| checkpoint | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name, r in named_results.items():
-        b = _benchmarks(r)
-        b = {**b, **group_averages(b)}
-        cells = [f"{b[c]['mean']:.3f} ± {b[c]['std']:.3f}" if c in b else "–" for c in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def domain_cell(results, domain, metric: str = "score"):
-    """A domain's in-domain value in results, `<domain>/test` (tiny) or its FULL_IN_DOMAIN benchmark, as
-    (mean, {task id: per-task value} or None); (None, None) if absent. metric: "score" (the sampled score) or
-    "gold" (the mean gold log-likelihood per agent token, gold_likelihood)."""
-    b = _benchmarks(results or {})
-    for key in (f"{domain}/test", FULL_IN_DOMAIN.get(domain)):
-        if key in b:
-            r = b[key]
-            if metric == "gold":
-                g = r.get("gold")
-                return (g["loglik"], dict(zip(g["task_ids"], g["per_task_loglik"]))) if g else (None, None)
-            per = dict(zip(r["task_ids"], r["per_task"])) if r.get("per_task") and r.get("task_ids") else None
-            return r["mean"], per
-    return None, None
-
-
-def domain_score(results, domain):
-    """A domain's in-domain sampled score in results (domain_cell); None if absent."""
-    return domain_cell(results, domain)[0]
-
-
-def _se(values):
-    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
-
-
-def paired_difference(x, y):
-    """y - x for two domain_cell values of the same benchmark, paired: per task (the same tasks, and for sampled
-    scores the same sampling seeds), then the mean and its standard error over tasks.
-    -> (difference, standard error); the SE is None without per-task values on the same tasks."""
-    if x[0] is None or y[0] is None:
-        return None, None
-    if x[1] and y[1] and set(x[1]) == set(y[1]):
-        d = [y[1][t] - x[1][t] for t in x[1]]
-        return statistics.mean(d), _se(d)
-    return y[0] - x[0], None
-
-
-def _mean_se(pairs):
-    """Mean of independent differences [(d, se)] and its SE (None if any SE is unknown)."""
-    pairs = [p for p in pairs if p[0] is not None]
-    if not pairs:
-        return None, None
-    se = None if any(p[1] is None for p in pairs) else math.sqrt(sum(p[1] ** 2 for p in pairs)) / len(pairs)
-    return sum(p[0] for p in pairs) / len(pairs), se
-
-
-def accuracy_matrix(stage_results, base_results, domains, metric: str = "score") -> dict:
-    """The accuracy matrix of a sequential run and its continual-learning measures (GEM, Lopez-Paz & Ranzato 2017).
-
-    stage_results: [(row name, learned domain, results), ...] in curriculum order, e.g. ("seq-1-math", "math", r);
-    base_results: the base's results (None if unknown); domains: the columns; metric: "score" (sampled) or "gold"
-    (gold log-likelihood per agent token, domain_cell). Rows r = 0 (base), 1..T (stages); a[r, j] is domain j's
-    in-domain value after row r (None where missing); t_j is the row that learned domain j. Missing values are
-    left out of every mean. For each learned domain j in the columns:
-        gain_j       = a[t_j, j] - a[t_j - 1, j]                      (what its own stage did)
-        forgetting_j = max_{t_j <= r <= T} a[r, j] - a[T, j]          (0 for the domain learned last)
-        BWT          = mean over j with t_j < T      of  a[T, j] - a[t_j, j]
-        FWT          = mean over j with t_j > 1      of  a[t_j - 1, j] - a[0, j]
-    forgetting_mean is the mean of forgetting_j over j with t_j < T. BWT < 0 means later stages forgot; FWT > 0
-    means earlier stages helped a domain before it was trained (measured against the base, not a random model).
-    Every difference is paired over the same tasks (paired_difference) and comes with its standard error (None
-    without per-task values); a mean of differences over domains has the root-sum-square SE over their count.
-    Forgetting's peak is the highest row, so it leans upward by chance: compare it with its SE.
-    Returns {metric, rows, domains, learned, matrix, se, gain, forgetting, forgetting_se, forgetting_mean,
-    forgetting_mean_se, bwt, bwt_se, fwt, fwt_se}."""
-    learned = [d for _, d, _ in stage_results]
-    if len(set(learned)) != len(learned):
-        raise ValueError(f"a domain is learned twice in {learned}: forgetting and transfer are undefined")
-    rows = ["base"] + [name for name, _, _ in stage_results]
-    cells = [[domain_cell(r, d, metric) for d in domains] for r in [base_results] + [r for _, _, r in stage_results]]
-    a = [[c[0] for c in row] for row in cells]
-    se = [[_se(list(c[1].values())) if c[1] else None for c in row] for row in cells]
-    T = len(rows) - 1
-    t = {d: i + 1 for i, d in enumerate(learned) if d in domains}
-    gain, forgetting, forgetting_se, bwt, fwt, fmean = {}, {}, {}, [], [], []
-    for d, tj in t.items():
-        j = domains.index(d)
-        gain[d] = paired_difference(cells[tj - 1][j], cells[tj][j])
-        after = [r for r in range(tj, T + 1) if a[r][j] is not None]
-        if after and a[T][j] is not None:
-            peak = max(after, key=lambda r: a[r][j])
-            forgetting[d], forgetting_se[d] = paired_difference(cells[T][j], cells[peak][j]) if peak != T else (0.0, 0.0)
-            if tj < T:
-                fmean.append((forgetting[d], forgetting_se[d]))
-        else:
-            forgetting[d], forgetting_se[d] = None, None
-        if tj < T:
-            bwt.append(paired_difference(cells[tj][j], cells[T][j]))
-        if tj > 1:
-            fwt.append(paired_difference(cells[0][j], cells[tj - 1][j]))
-    (fm, fm_se), (b, b_se), (f, f_se) = _mean_se(fmean), _mean_se(bwt), _mean_se(fwt)
-    return {"metric": metric, "rows": rows, "domains": list(domains), "learned": {d: rows[tj] for d, tj in t.items()},
-            "matrix": a, "se": se, "gain": gain, "forgetting": forgetting, "forgetting_se": forgetting_se,
-            "forgetting_mean": fm, "forgetting_mean_se": fm_se, "bwt": b, "bwt_se": b_se, "fwt": f, "fwt_se": f_se}
-
-
-def _fmt(x, se=None):
-    return "–" if x is None else f"{x:.3f}" + ("" if se is None else f" ± {se:.3f}")
-
-
-METRIC_NAMES = {"score": "sampled score", "gold": "gold log-likelihood per agent token"}
-
-
-def matrix_table(m) -> str:
-    """The accuracy matrix as markdown (value ± SE where per-task values exist), the forgetting row, each stage's
-    gain on its own domain, and a BWT/FWT line."""
-    se = m.get("se") or [[None] * len(m["domains"]) for _ in m["rows"]]
-    fse = m.get("forgetting_se", {})
-    lines = [f"{METRIC_NAMES.get(m.get('metric', 'score'))}:", "",
-             "| after \\ on | " + " | ".join(m["domains"]) + " |", "|---" * (len(m["domains"]) + 1) + "|"]
-    lines += [f"| {row} | " + " | ".join(_fmt(x, e) for x, e in zip(vals, ses)) + " |"
-              for row, vals, ses in zip(m["rows"], m["matrix"], se)]
-    lines.append("| forgetting | " + " | ".join(_fmt(m["forgetting"].get(d), fse.get(d)) for d in m["domains"]) + " |")
-    if m.get("gain"):
-        lines.append("| own-stage gain | " + " | ".join(_fmt(*m["gain"][d]) if d in m["gain"] else "–"
-                                                      for d in m["domains"]) + " |")
-    lines.append(f"\nBWT {_fmt(m['bwt'], m.get('bwt_se'))} | FWT {_fmt(m['fwt'], m.get('fwt_se'))} | mean forgetting "
-                 f"{_fmt(m['forgetting_mean'], m.get('forgetting_mean_se'))} (± standard errors over tasks, paired)")
-    src = m.get("sources", {})
-    earlier = [f"{row} <- {src[row]}" for row in m["rows"] if src.get(row, "this run") != "this run"]
-    if earlier:   # rows not evaluated now, with their file and task count (an in-run record has fewer tasks)
-        lines.append("rows from saved results: " + ", ".join(earlier))
-    return "\n".join(lines)
-
-
-def plot_matrix(m, path, title="accuracy after each stage"):
-    """A heatmap PNG of accuracy_matrix()'s matrix (rows: base then stages, columns: domains), values written in."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-    import numpy as np
-    data = np.array([[np.nan if x is None else x for x in row] for row in m["matrix"]], dtype=float)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(m["domains"]), 1.2 + 0.5 * len(m["rows"])))
-    # tiny-arena scores sit far below 1: scale the colours to the largest score so differences show; a
-    # log-likelihood (negative) spans its own range
-    values = [x for row in m["matrix"] for x in row if x is not None]
-    low = 0.0 if m.get("metric", "score") == "score" else min(values + [-1.0])
-    top = max(values + [low + 0.05])
-    im = ax.imshow(data, cmap="viridis", vmin=low, vmax=top, aspect="auto")
-    ax.set_xticks(range(len(m["domains"])), m["domains"])
-    ax.set_yticks(range(len(m["rows"])), m["rows"])
-    ax.set_xlabel(f"{METRIC_NAMES.get(m.get('metric', 'score'))} on in-domain test")
-    ax.set_ylabel("after stage")
-    for r, row in enumerate(m["matrix"]):
-        for j, x in enumerate(row):
-            ax.text(j, r, _fmt(x), ha="center", va="center", color="k" if x is None or x - low >= 0.6 * (top - low)
-                    else "w", fontsize=9)
-    ax.set_title(f"{title}\nBWT {_fmt(m['bwt'])}  FWT {_fmt(m['fwt'])}", fontsize=10)
-    fig.colorbar(im, ax=ax)
-    return save_figure(fig, path)
-
-
-def save_figure(fig, path):
-    """Write a matplotlib figure as a PNG atomically and close it; returns path."""
-    import matplotlib.pyplot as plt
-    fig.tight_layout()
-    write_file_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120), suffix=".png")
-    plt.close(fig)
-    return path
 
 
 # ----------------------------------------------------------------------------- command line
-
-def run_name(ckpt) -> tuple:
-    """(eval directory, name) of a checkpoint: runs/tiny/seq/1-math -> (runs/tiny/eval, seq-1-math);
-    (None, basename) when the path is not under runs/<preset>/."""
-    parts = os.path.abspath(ckpt).split(os.sep)
-    for i in range(len(parts) - 3, -1, -1):  # the last `runs` with a preset and a checkpoint below it
-        if parts[i] == "runs":
-            return os.sep.join(parts[: i + 2] + ["eval"]), "-".join(parts[i + 2:])
-    return None, parts[-1]
 
 
 def _stages(names, label) -> list:
@@ -857,7 +642,6 @@ HF_CPU_MAX_GB = 4.0   # weights above this (a ~1B model in fp32) are refused wit
 
 def resolve(a) -> dict:
     """Check every argument and load the benchmarks; UsageError (one line) on bad input, before anything is written."""
-    import mle
     if not a.ckpt:
         raise UsageError("give --ckpt: the checkpoints to evaluate")
     if a.suite not in SUITES:
@@ -890,12 +674,12 @@ def resolve(a) -> dict:
     for path in a.ckpt:
         if not os.path.isdir(path):
             raise UsageError(f"checkpoint directory not found: {path}")
-        routed = mle.is_mle(path)
+        routed = routing.is_mle(path)
         if routed:
-            mle.router(path, a.router, None)   # its experts (and router) are all there
+            routing.router(path, a.router, None)   # its experts (and router) are all there
         elif not is_checkpoint(path):
             raise UsageError(f"not a checkpoint directory (no config.json): {path}")
-        weights = mle.backbone_of(path) if routed else path
+        weights = routing.backbone_of(path) if routed else path
         gb = sum(os.path.getsize(os.path.join(weights, f)) for f in os.listdir(weights) if f.endswith(".safetensors")) / 1e9
         if a.backend == "hf" and not torch.cuda.is_available() and gb > HF_CPU_MAX_GB:
             raise UsageError(f"{path}: {gb:.0f} GB of weights with --backend hf on a machine without a GPU would take "
@@ -930,7 +714,7 @@ def resolve(a) -> dict:
         raise UsageError("--benchmarks is for the full suite; use --domains and --splits with the tiny suite")
     if a.mixed and (a.suite != "tiny" or not set(splits) & {"test", "ood"}):
         raise UsageError("--mixed adds the tiny worlds' mixed-domain tasks: the tiny suite, with --splits test or ood")
-    if a.mixed and a.router == "tag" and any(mle.is_mle(path) for path, *_ in ckpts):
+    if a.mixed and a.router == "tag" and any(routing.is_mle(path) for path, *_ in ckpts):
         raise UsageError("--mixed tasks carry no domain tag: evaluate an MLE checkpoint on them with --router learned")
     devices = parse_devices(a.devices, len(ckpts)) if a.devices and not a.worker else []
     if a.harness == "lm-eval" and a.suite != "full":
@@ -940,7 +724,7 @@ def resolve(a) -> dict:
     tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks, mixed=a.mixed)
     if a.router_mix and a.router != "learned":
         raise UsageError("--router-mix blends the experts by the learned router's probabilities: add --router learned")
-    lora = max([mle.lora_rank_of(path, a.router_mix) for path, *_ in ckpts if mle.is_mle(path)], default=0)
+    lora = max([routing.lora_rank_of(path, a.router_mix) for path, *_ in ckpts if routing.is_mle(path)], default=0)
     return {"domains": domains, "splits": splits, "sources": sources, "env_opts": env_opts, "tasks": tasks,
             "ckpts": ckpts, "stages": stages, "matrix_dir": matrix_dir, "saved": saved, "max_lora_rank": lora,
             "devices": devices, "lm_eval": lm_eval_tasks}
@@ -1124,7 +908,7 @@ def same_weights(a: str, b: str) -> bool:
 def save_episode_files(out_dir, episodes, ckpt) -> str:
     """Write {benchmark: [episode records]} as out_dir/<benchmark, / -> ->.jsonl, atomically, with an acl_meta.json
     that marks the directory as this project's episodes (check_output)."""
-    from common import write_atomically, write_meta
+    from acl.common import write_atomically, write_meta
 
     def write(tmp):
         for bench, records in episodes.items():

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from common import (
+from acl.common import (
     DTYPES,
     Parser,
     check_output,
@@ -53,7 +53,8 @@ from common import (
     write_atomically,
     write_meta,
 )
-from envs import DOMAINS, UsageError, parse_domains
+from envs import DOMAINS, parse_domains
+from envs.base import UsageError
 
 METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
 SEARCHES = ("uniform", "grid", "balanced")

@@ -38,8 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (
-    UsageError,
+from acl.common import (
     barrier,
     check_output,
     check_run_files,
@@ -68,12 +67,15 @@ from common import (
     write_atomically,
     write_meta,
 )
+from acl.engine import HFBackend, make_backend
+from acl.routing import FORMAT, Router, experts_of, prompt_features
+from acl.scale import dry_run
+from acl.step import SAVE_DTYPES, add_scale_flags, add_step_flags, check_shared_flags
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
-from envs.rollout import HFBackend, ServiceError, make_backend
-from scale import dry_run
+from envs.base import UsageError
+from envs.rollout import ServiceError
 from train_seq import add_grpo_flags, check_grpo_flags, grpo, stage_args
 from train_seq import recipe as grpo_recipe
-from train_step import SAVE_DTYPES, add_scale_flags, add_step_flags, check_shared_flags
 
 PRESETS = {   # arch: the backbone's architecture for --dry-run before the SDFT backbone exists
     "tiny": dict(arch="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
@@ -84,7 +86,6 @@ PRESETS = {   # arch: the backbone's architecture for --dry-run before the SDFT 
 }
 TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
-FORMAT = "aclarena-mle/1"
 
 
 # ----------------------------------------------------------------------------- the expert: backbone + one adapter
@@ -105,7 +106,7 @@ def with_adapter(model, a):
 
 class AdapterOff(torch.nn.Module):
     """The KL's reference: the expert's own model with its adapter switched off, i.e. the frozen backbone, without a
-    second copy of it. It runs through train_step's scoring code like any model."""
+    second copy of it. It runs through acl.step's scoring code like any model."""
 
     def __init__(self, model):
         super().__init__()
@@ -117,7 +118,7 @@ class AdapterOff(torch.nn.Module):
 
     @property
     def is_gradient_checkpointing(self):
-        from common import checkpoints_activations
+        from acl.common import checkpoints_activations
         return checkpoints_activations(self.get_base_model())
 
     def parameters(self, recurse: bool = True):
@@ -147,7 +148,7 @@ def expert_backend(a, tok, policy, device, live: str):
     unsharded copy of the backbone with the same adapter on each rank; a push copies the adapter's tensors into it.
     vllm: the engine (LoRA on) samples with the adapter directory `live`/rank<r>, rewritten by every push and
     served under a new LoRA id, so the engine never reuses the old weights."""
-    from envs.rollout import push_weights
+    from acl.engine import push_weights
     if a.backend == "vllm":
         backend, _ = make_backend("vllm", tok, a.backbone, gen_batch=a.gen_batch, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
                                   max_tokens=max(a.max_tokens_by_domain.values()), seed=a.seed,
@@ -216,42 +217,6 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
 
 # ----------------------------------------------------------------------------- routing
 
-@torch.no_grad()
-def prompt_features(model, tok, items, batch: int = 16) -> torch.Tensor:
-    """(N, h) the frozen backbone's last hidden states mean-pooled over each prompt's tokens (the chat-rendered
-    opening messages and tools, exactly what the policy is prompted with): what the learned router reads."""
-    from envs.rollout import ChatML
-    from train_step import pad_id
-    chat, dev = ChatML(tok), next(model.parameters()).device
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    prompts = [chat.prompt(env.reset(t).messages, t.tools) for env, t in items]
-    out = []
-    for s in range(0, len(prompts), batch):
-        ps = prompts[s: s + batch]
-        T = max(len(p) for p in ps)
-        ids = torch.full((len(ps), T), pad_id(base), dtype=torch.long)
-        attn = torch.zeros((len(ps), T), dtype=torch.long)
-        for i, p in enumerate(ps):                                   # right-padded: positions 0.. are the prompt's
-            ids[i, : len(p)], attn[i, : len(p)] = torch.tensor(p), 1
-        h = base.model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state.float()    # (b, T, h)
-        m = attn.to(dev)[..., None].float()
-        out.append(((h * m).sum(1) / m.sum(1)).cpu())
-    return torch.cat(out)
-
-
-class Router(torch.nn.Module):
-    """The learned router: a linear softmax classifier over domains on standardised prompt features."""
-
-    def __init__(self, dim: int, domains: list):
-        super().__init__()
-        self.domains = list(domains)
-        self.linear = torch.nn.Linear(dim, len(domains))
-        self.register_buffer("mean", torch.zeros(dim))
-        self.register_buffer("std", torch.ones(dim))
-
-    def forward(self, x):                                            # (N, h) -> (N, domains) logits
-        return self.linear((x - self.mean) / self.std)
-
 
 def train_router(a, envs, device) -> dict:
     """--router learned: fit the router on --router-prompts train prompts per domain (full-batch AdamW, cross-entropy,
@@ -288,109 +253,11 @@ def train_router(a, envs, device) -> dict:
     save = dict(state=router.state_dict(), domains=a.domains, dim=x.size(1), accuracy=acc, prompts=a.router_prompts,
                 steps=a.router_steps, seed=a.seed, backbone_id=identity(a.backbone), final_loss=loss.item(),
                 seconds=round(time.time() - t0, 1))
-    from common import write_file_atomically
+    from acl.common import write_file_atomically
     write_file_atomically(os.path.join(a.out, "router.pt"), lambda tmp: torch.save(save, tmp))
     print0(f"[mle] learned router: train accuracy {acc['train']:.3f}, test {acc['test']:.3f}, ood {acc['ood']:.3f} "
            f"({a.router_prompts} prompts per domain and split, {time.time() - t0:.0f}s) -> {a.out}/router.pt")
     return acc
-
-
-def is_mle(path: str) -> bool:
-    return read_meta(path).get("format") == FORMAT
-
-
-def backbone_of(path: str) -> str:
-    return read_meta(path)["backbone"]
-
-
-def lora_rank_of(path: str, mix: bool = False) -> int:
-    """The LoRA rank vLLM must allow for this MLE directory: its largest expert's, or with --router-mix the sum of
-    all (a blend stacks the experts' ranks)."""
-    ranks = [read_meta(e).get("recipe", {}).get("lora", {}).get("rank", 0) for e in experts_of(path).values()]
-    return sum(ranks) if mix else max(ranks, default=0)
-
-
-def experts_of(path: str) -> dict:
-    """{domain: expert directory} of an MLE directory; UsageError on a missing or unfinished expert."""
-    meta = read_meta(path)
-    out = {}
-    for d in meta.get("domains", []):
-        e = os.path.join(path, "experts", d)
-        if not os.path.isfile(os.path.join(e, "adapter_config.json")):
-            raise UsageError(f"{path}: the {d} expert is missing ({e}); finish it with python mle.py --out {path}")
-        out[d] = e
-    return out
-
-
-class Blends:
-    """--router-mix: adapters that blend the experts by the router's probabilities, one peft directory per distinct
-    blend (weights rounded to 0.05, those below dropped, renormalised), in a temporary directory of this process.
-    peft's add_weighted_adapter with combination "cat" stacks the experts' ranks, so the blend's update is exactly
-    sum_d w_d B_d A_d (scales included); hf and vLLM serve it like any adapter (its rank: the experts' ranks summed)."""
-
-    def __init__(self, backbone: str, experts: dict):
-        import atexit
-        import shutil
-        import tempfile
-
-        from peft import PeftModel
-        self.dir = tempfile.mkdtemp(prefix="aclarena-mle-blends-")
-        atexit.register(shutil.rmtree, self.dir, True)
-        model, _ = load_policy(backbone, torch.device("cpu"))
-        names = list(experts)
-        self.model = PeftModel.from_pretrained(model, experts[names[0]], adapter_name=names[0])
-        for d in names[1:]:
-            self.model.load_adapter(experts[d], adapter_name=d)
-        self.experts, self.made = experts, {}
-
-    def __call__(self, probs: dict) -> str:
-        w = {d: round(p * 20) / 20 for d, p in probs.items() if round(p * 20) / 20 > 0}
-        if len(w) == 1:
-            return self.experts[next(iter(w))]
-        total = sum(w.values())
-        key = ",".join(f"{d}={v / total:.3f}" for d, v in sorted(w.items()))
-        if key not in self.made:   # (the new adapter's initialisation draws from torch's RNG: not from the sampler's)
-            name = f"blend{len(self.made)}"
-            with torch.random.fork_rng(devices=[]):
-                self.model.add_weighted_adapter(list(w), [v / total for v in w.values()], name, combination_type="cat")
-            self.model.save_pretrained(self.dir, selected_adapters=[name])     # -> <dir>/<name>/
-            self.model.delete_adapter(name)
-            self.made[key] = os.path.join(self.dir, name)
-        return self.made[key]
-
-
-def router(path: str, kind: str, tok, mix: bool = False):
-    """route(env, task) -> the expert directory that serves the task. kind "tag": the task's environment tag (an
-    unknown tag is a UsageError); "learned": the learned router's top-1 domain for the task's prompt (features from
-    the backbone, loaded once here), or with mix a blend of the experts by its probabilities (Blends). With tok None
-    only checks that everything is there."""
-    experts = experts_of(path)
-    if kind == "tag":
-        def route(env, task):
-            if env.domain not in experts:
-                raise UsageError(f"{path} has no expert for the tag {env.domain!r} (experts: {', '.join(experts)})")
-            return experts[env.domain]
-        return route
-    saved_path = os.path.join(path, "router.pt")
-    if not os.path.isfile(saved_path):
-        raise UsageError(f"{path} has no learned router ({saved_path}): python mle.py --router learned --out {path}")
-    if tok is None:
-        return None
-    try:   # tensors and plain values only: a crafted pickle in a runs directory must not run code
-        saved = torch.load(saved_path, weights_only=True)
-    except Exception as e:
-        raise UsageError(f"{saved_path} is not a router this project saved ({type(e).__name__}): refused") from None
-    r = Router(saved["dim"], saved["domains"])
-    r.load_state_dict(saved["state"])
-    model, _ = load_policy(backbone_of(path), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    model.eval()
-    blends = Blends(backbone_of(path), experts) if mix else None
-
-    @torch.no_grad()
-    def route(env, task):
-        p = torch.softmax(r(prompt_features(model, tok, [(env, task)]))[0], -1)
-        return blends(dict(zip(r.domains, p.tolist()))) if mix else experts[r.domains[int(p.argmax())]]
-    return route
 
 
 def update_meta(path, extra: dict):

@@ -6,7 +6,7 @@ learns from that teacher's per-token distribution. No environment reward is used
     python mmopd.py --teachers oracle --out runs/tiny/mmopd-ablation/oracle     # the released scripts' teachers
     python mmopd.py --fkl-coef 0 --fkl-start 0 --out runs/tiny/mmopd-ablation/rkl-only
     python mmopd.py --gate-entropy topq --out runs/tiny/mmopd-ablation/topq
-    python mmopd.py --plot runs/tiny/mmopd runs/tiny/mmopd-ablation/* --plot-out runs/tiny/eval/mmopd-kl.png
+    python report.py --mmopd-kl runs/tiny/mmopd runs/tiny/mmopd-ablation/* --out runs/tiny/eval/mmopd-kl.png   # its KLs
     torchrun --standalone --nproc_per_node=2 mmopd.py --out runs/tiny/mmopd-dist    # FSDP2, 2 CPU ranks (gloo)
     torchrun --nproc_per_node=8 mmopd.py --preset qwen3-8b --math-data ... --user-url ...   # full scale (vLLM)
     python mmopd.py --preset qwen3-8b --dry-run           # per-rank memory with the four teachers
@@ -22,7 +22,7 @@ Each step:
      replies; the reward is logged, not used);
   2. routing: each episode goes to its domain's teacher (--teachers seq: the sequential stage that learned the domain,
      the paper's; oracle: the single-task oracles, the released scripts'; or domain=DIR,...), which scores it in one
-     teacher-forced pass (train_step.route_to_teachers): at each agent position the log-prob of the sampled token,
+     teacher-forced pass (acl.step.route_to_teachers): at each agent position the log-prob of the sampled token,
      the exact entropy over the whole vocabulary and the top-q tokens with their log-probs; an episode whose scores
      are not finite is dropped and counted;
   3. one update with the loss written out in mmopd_loss (tool results and user tokens are masked out of it);
@@ -41,9 +41,8 @@ import time
 
 import torch
 
-from common import (
+from acl.common import (
     Metrics,
-    UsageError,
     all_reduce_sum,
     check_output,
     check_run_files,
@@ -71,21 +70,24 @@ from common import (
     usage_exit,
     world_size,
 )
-from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
-from envs.rollout import ServiceError, check_user_errors, make_backend, push_weights, rollout, wake_and_push
-from scale import dry_run, model_config
-from train_step import (
+from acl.engine import make_backend, push_weights, wake_and_push
+from acl.scale import dry_run, model_config
+from acl.step import (
     SAVE_DTYPES,
     Cursor,
     add_scale_flags,
     add_step_flags,
     check_shared_flags,
+    check_user_errors,
     clipped_surrogate,
     mix_quota,
     parse_mix,
     route_to_teachers,
     train_on,
 )
+from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
+from envs.base import UsageError
+from envs.rollout import ServiceError, rollout
 
 PRESETS = {
     "tiny": dict(base="runs/tiny/base", prompts=16, group=4, steps=40, lr=2e-4, top_q=16, alpha=0.5, fkl_start=0.05,
@@ -181,9 +183,6 @@ def get_args(argv=None):
     p.add_argument("--save-every", type=int, default=preset["save_every"], help="steps between resume states (0: never)")
     p.add_argument("--out", default=None, help="student checkpoint (default <runs>/mmopd)")
     p.add_argument("--overwrite", action="store_true", help="replace an mmopd checkpoint made with another recipe")
-    p.add_argument("--plot", nargs="+", default=None, metavar="CKPT", help="plot these MMOPD checkpoints' per-domain "
-                                                                           "KL curves to --plot-out, and stop")
-    p.add_argument("--plot-out", default=None, metavar="PNG", help="where --plot writes")
     add_scale_flags(p, name)
     add_step_flags(p, name)
     add_data_flags(p, train=True)
@@ -284,58 +283,10 @@ def recipe(a) -> dict:
                 teacher_ids={d: identity(p) for d, p in a.teacher_paths.items()})
 
 
-# ----------------------------------------------------------------------------- --plot
-
-def plot(paths: list, out: str):
-    """Per domain, the reverse KL to its teacher over the steps (solid) and the forward KL at the gated positions
-    (dashed), one colour per checkpoint, from acl_meta.json's history: a 5-step moving mean over each step's value
-    (faint; a tiny step holds 16 episodes per domain)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    runs = []
-    for p in paths:
-        meta = read_meta(p)
-        if meta.get("method") != "mmopd" or not meta.get("history"):
-            raise UsageError(f"--plot {p}: not an MMOPD checkpoint with a history")
-        runs.append((p, meta))
-    if os.path.exists(out) and not out.endswith(".png"):
-        raise UsageError(f"--plot-out {out} exists and is not a .png: refusing to replace it")
-    domains = runs[0][1]["recipe"]["domains"]
-    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.2), squeeze=False)
-    for ax, d in zip(axes[0], domains):
-        for j, (p, meta) in enumerate(runs):
-            h = [r for r in meta["history"] if d in r["domains"]]
-            steps = [r["step"] for r in h]
-            for key, ls in (("rkl", "-"), ("fkl_gated", "--")):
-                y = [r["domains"][d][key] for r in h]
-                smooth = [sum(y[max(0, i - 4): i + 1]) / len(y[max(0, i - 4): i + 1]) for i in range(len(y))]
-                ax.plot(steps, y, color=f"C{j}", ls=ls, alpha=0.2)
-                ax.plot(steps, smooth, color=f"C{j}", ls=ls, label=os.path.basename(p) if key == "rkl" else None)
-        ax.set_title(f"{d}: KL to its teacher")
-        ax.set_xlabel("step")
-    axes[0][0].set_ylabel("nats per token")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("solid: reverse KL (student || teacher) on the student's tokens; dashed: forward KL over the "
-                 "teacher's top-q at gated positions; 5-step means (faint: each step)", fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
-
-
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
     a = get_args(argv)
-    if a.plot:
-        try:
-            if not a.plot_out:
-                raise UsageError("--plot needs --plot-out FILE.png")
-            plot(a.plot, a.plot_out)
-        except UsageError as e:
-            usage_exit(e)
-        return
     try:
         a = check_args(a)
         if a.dry_run:

@@ -3,6 +3,7 @@
     python report.py                                   # runs/tiny -> runs/tiny/report.md (seconds)
     python report.py --runs runs/tiny --out docs/tiny-report.md
     python report.py --balance --names seq-4-if sdft mmopd mle     # finding 6 alone, as a table
+    python report.py --mmopd-kl runs/tiny/mmopd runs/tiny/mmopd-ablation/* --out runs/tiny/eval/mmopd-kl.png
 
 What it reads: evaluate.py's records (runs/<arena>/eval/<name>.json, 300 `test` tasks per domain), analyze.py's
 analysis.json, the MMOPD checkpoint's history, arena.sh's time table. What it writes: the study's table (in-domain and
@@ -32,8 +33,10 @@ import time
 import numpy as np
 import torch
 
-from common import Parser, UsageError, code_revision, read_meta, usage_exit, write_file_atomically
+from acl.common import Parser, code_revision, read_meta, save_figure, save_json, usage_exit, write_file_atomically
+from acl.forgetting import METRIC_NAMES, accuracy_matrix, load_results, matrix_table
 from envs import DOMAINS
+from envs.base import UsageError
 
 # The study's table: its row names and this project's evaluation record of each (runs/<arena>/eval/<name>.json).
 ROWS = {"Base": "base", "Seq-Math": "seq-1-math", "Seq-Search": "seq-2-search", "Seq-Ecom": "seq-3-ecommerce",
@@ -57,7 +60,6 @@ Z = 2.0   # "significant": a paired difference beyond Z standard errors
 def load_records(eval_dir: str, names=None) -> dict:
     """{record name: evaluate.py record} for every ROWS record present in eval_dir; with `names`, exactly those (a
     missing one is an error)."""
-    from evaluate import load_results
     out = {}
     for name in names or ROWS.values():
         path = os.path.join(eval_dir, f"{name}.json")
@@ -149,8 +151,7 @@ def normalised_table(recs_by_seed, domains=DOMAINS) -> str:
 
 
 def matrices(recs, domains=DOMAINS):
-    """evaluate.accuracy_matrix of the sequential run, sampled score and gold log-likelihood (None without stages)."""
-    from evaluate import accuracy_matrix
+    """forgetting.accuracy_matrix of the sequential run, sampled score and gold log-likelihood (None without stages)."""
     stages = [(n, n.split("-", 2)[2], recs[n]) for n in ("seq-1-math", "seq-2-search", "seq-3-ecommerce", "seq-4-if")
               if n in recs]
     if not stages:
@@ -601,7 +602,6 @@ def across_seeds(run_dirs) -> str:
     seq_matrix.json, made by evaluate.py on that run's checkpoints), as mean ± std over the runs for every cell,
     own-stage gain, forgetting, BWT and FWT, for the sampled score and the gold log-likelihood. The runs must share
     rows and domains. Saved beside the first run's matrix as seq_matrix_seeds.json; returns the tables."""
-    from evaluate import METRIC_NAMES, load_results, save_results
     ms = []
     for d in run_dirs:
         path = os.path.join(d, "eval", "seq_matrix.json")
@@ -636,7 +636,7 @@ def across_seeds(run_dirs) -> str:
         lines.append("| own-stage gain | " + " | ".join(f(agg["gain"][d]) for d in domains) + " |")
         lines.append(f"\nBWT {f(agg['bwt'])} | FWT {f(agg['fwt'])} | mean forgetting {f(agg['forgetting_mean'])}")
         tables.append("\n".join(lines))
-    save_results(os.path.join(run_dirs[0], "eval", "seq_matrix_seeds.json"), out)
+    save_json(os.path.join(run_dirs[0], "eval", "seq_matrix_seeds.json"), out)
     return "\n\n".join(tables)
 
 
@@ -803,7 +803,6 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     same study with other training seeds, arena.sh SEEDS > 1) every table gives mean ± std over the seeds and each
     finding is checked in every seed. -> out."""
 
-    from evaluate import matrix_table
     if os.path.lexists(out) and (not os.path.isfile(out) or not open(out, errors="replace").readline().startswith(
             "# ACLArena report")):
         raise UsageError(f"--out {out} exists and is not a report this script wrote: not replacing it")
@@ -861,10 +860,9 @@ def report(runs: str, out: str, seed_runs=()) -> str:
              ("token consistency by entropy", os.path.join(runs, "analysis", "token_consistency.png")),
              *([("forgetting against the stage's KL on its own domain", law_png)] if law else [])]
     if os.path.isfile(os.path.join(runs, "mmopd", "acl_meta.json")):
-        import mmopd
         kl = os.path.join(runs, "analysis", "mmopd_kl.png")
         try:
-            mmopd.plot([os.path.join(runs, "mmopd")], kl)
+            mmopd_kl_plot([os.path.join(runs, "mmopd")], kl)
             plots.append(("MMOPD's KL to each teacher", kl))
         except UsageError:
             pass
@@ -896,6 +894,42 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     return out
 
 
+def mmopd_kl_plot(paths: list, out: str):
+    """Per domain, the reverse KL to its teacher over the steps (solid) and the forward KL at the gated positions
+    (dashed), one colour per checkpoint, from acl_meta.json's history: a 5-step moving mean over each step's value
+    (faint; a tiny step holds 16 episodes per domain)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = []
+    for p in paths:
+        meta = read_meta(p)
+        if meta.get("method") != "mmopd" or not meta.get("history"):
+            raise UsageError(f"--mmopd-kl {p}: not an MMOPD checkpoint with a history")
+        runs.append((p, meta))
+    if os.path.exists(out) and not out.endswith(".png"):
+        raise UsageError(f"--out {out} exists and is not a .png: refusing to replace it")
+    domains = runs[0][1]["recipe"]["domains"]
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.2), squeeze=False)
+    for ax, d in zip(axes[0], domains):
+        for j, (p, meta) in enumerate(runs):
+            h = [r for r in meta["history"] if d in r["domains"]]
+            steps = [r["step"] for r in h]
+            for key, ls in (("rkl", "-"), ("fkl_gated", "--")):
+                y = [r["domains"][d][key] for r in h]
+                smooth = [sum(y[max(0, i - 4): i + 1]) / len(y[max(0, i - 4): i + 1]) for i in range(len(y))]
+                ax.plot(steps, y, color=f"C{j}", ls=ls, alpha=0.2)
+                ax.plot(steps, smooth, color=f"C{j}", ls=ls, label=os.path.basename(p) if key == "rkl" else None)
+        ax.set_title(f"{d}: KL to its teacher")
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("nats per token")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("solid: reverse KL (student || teacher) on the student's tokens; dashed: forward KL over the "
+                 "teacher's top-q at gated positions; 5-step means (faint: each step)", fontsize=9)
+    save_figure(fig, out)
+    print(f"wrote {out}")
+
+
 def main(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="runs/tiny", help="the arena's run directory (its eval/, analysis/, ...)")
@@ -909,11 +943,17 @@ def main(argv=None):
     p.add_argument("--extra", nargs="*", default=[], help="--balance: checkpoints shown beside them, not competed")
     p.add_argument("--claim", default="mle", help="--balance: the checkpoint the study claims is the most balanced")
     p.add_argument("--boot", type=int, default=2000, help="--balance: bootstrap resamples")
+    p.add_argument("--mmopd-kl", nargs="+", default=None, metavar="CKPT", help="plot these MMOPD checkpoints' "
+                   "per-domain KL curves (from their history) to --out FILE.png, and stop")
     a = p.parse_args(argv)
     try:
         if a.boot < 100:
             raise UsageError("--boot must be >= 100")
-        if a.balance:
+        if a.mmopd_kl:
+            if not a.out:
+                raise UsageError("--mmopd-kl needs --out FILE.png")
+            mmopd_kl_plot(a.mmopd_kl, a.out)
+        elif a.balance:
             ev = a.eval_dir or os.path.join(a.runs, "eval")
             names = a.names + a.extra
             res = balance(Scores.from_records(load_records(ev, names + [f"oracle-{d}" for d in DOMAINS])), names,
@@ -931,3 +971,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+

@@ -49,9 +49,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (
+from acl.common import (
     Metrics,
-    UsageError,
     all_reduce_max,
     all_reduce_sum,
     check_output,
@@ -82,21 +81,23 @@ from common import (
     world_size,
     write_atomically,
 )
-from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain, require_real_data
-from envs.base import EpisodeState, read_jsonl, valid_tool_calls
-from envs.rollout import Episode, ServiceError, check_user_errors, episode_record, make_backend, rollout
-from scale import dry_run
-from train_step import (
+from acl.engine import make_backend
+from acl.scale import dry_run
+from acl.step import (
     SAVE_DTYPES,
     Cursor,
     add_scale_flags,
     add_step_flags,
     check_shared_flags,
+    check_user_errors,
     mix_quota,
     parse_mix,
     sft_loss,
     train_on,
 )
+from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain, require_real_data
+from envs.base import EpisodeState, UsageError, read_jsonl, valid_tool_calls
+from envs.rollout import Episode, ServiceError, episode_record, rollout
 
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", prompts="math=64,search=64,ecommerce=32,if=64", group=8, dedup_threshold=0.9,
@@ -495,7 +496,7 @@ def main(argv=None):
                 g["lr"] = lr_at(a, step, steps)
             batch = [pools[d][i] for d, i in plan[step]][rank()::world_size()]
             ts = time.time()
-            # The SDFT loss (train_step.sft_loss, applied by train_on): the negative log-likelihood of the oracle's
+            # The SDFT loss (acl.step.sft_loss, applied by train_on): the negative log-likelihood of the oracle's
             # own tokens, the agent's turns only (each episode's loss mask; prompt, tool and user tokens are 0):
             #   L = - sum_{episodes e} sum_{t: mask_e,t = 1} log pi(y_e,t | y_e,<t) / (number of such tokens)
             # with --agg token; with --agg seq each episode's mean, averaged over the batch's episodes.

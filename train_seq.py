@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from common import (
+from acl.common import (
     Metrics,
     all_reduce_sum,
     check_run_files,
@@ -72,31 +72,25 @@ from common import (
     usage_exit,
     world_size,
 )
-from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
-from envs.base import UsageError
-from envs.rollout import (
-    ServiceError,
-    check_user_errors,
-    expert_episodes,
-    make_backend,
-    push_weights,
-    saved_episodes,
-    wake_and_push,
-)
-from evaluate import evaluate_inrun, inrun_path
-from scale import dry_run
-from train_step import (
+from acl.engine import make_backend, push_weights, wake_and_push
+from acl.scale import dry_run
+from acl.step import (
     SAVE_DTYPES,
     Cursor,
     add_scale_flags,
     add_step_flags,
     check_shared_flags,
+    check_user_errors,
     clipped_surrogate,
     episode_logprobs,
     keep_successes,
     sft_epochs,
     train_on,
 )
+from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
+from envs.base import UsageError
+from envs.rollout import ServiceError, expert_episodes, saved_episodes
+from evaluate import evaluate_inrun, inrun_path
 
 # ----------------------------------------------------------------------------- the loss
 
@@ -124,7 +118,7 @@ def grpo_loss(logp, b, x, a):
     return loss, stats
 
 
-# The method's defaults per preset; the scale ones (engine, batch sizes, token limits) are train_step.SCALE's.
+# The method's defaults per preset; the scale ones (engine, batch sizes, token limits) are acl.step.SCALE's.
 # Every one is a flag. The tiny preset's numbers fit the whole sequential run plus the four oracles into 15
 # minutes on 2 CPU cores; per-domain steps because an ecommerce episode costs ~5x a math one; two generation
 # rounds at most (dynamic sampling) because a flat step costs a round each; lr 2e-4 because at 5e-4 the math and
@@ -366,7 +360,7 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
 
 
 def stage_backend(a, tok, path, policy, device):
-    """envs.rollout.make_backend with this run's scale flags: (backend, engine model) for `policy` loaded from path."""
+    """acl.engine.make_backend with this run's scale flags: (backend, engine model) for `policy` loaded from path."""
     return make_backend(a.backend, tok, path, policy=policy, device=device, gen_batch=a.gen_batch,
                         kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util, seed=a.seed, attn=a.attn,
                         max_tokens=max(a.max_tokens_by_domain.values()))   # one engine for every stage: the largest
@@ -528,7 +522,7 @@ def check_args(a):
     local = os.path.isdir(a.init) or a.init.startswith((".", os.path.sep, "runs")) or a.init.count("/") != 1
     if local and not is_checkpoint(a.init):
         raise UsageError(f"--init checkpoint not found: {a.init} (the tiny arena: cp -r assets/tiny-base runs/tiny/base, "
-                         f"or rebuild it with python -m envs.tiny)")
+                         f"or rebuild it with python pretrain.py)")
     a.runs = a.runs or os.path.join("runs", a.preset)
     if a.preset != "tiny" and not a.dry_run:
         require_real_data(a, a.curriculum)
@@ -555,7 +549,7 @@ def evaluate_finished(out, a, device):
 
 def main(argv=None):
     if "--check-install" in (sys.argv[1:] if argv is None else argv):   # before any flag is checked
-        from envs.rollout import check_install
+        from acl.scale import check_install
         sys.exit(1 if check_install() else 0)
     a = get_args(argv)
     try:

@@ -24,7 +24,7 @@ import sys
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import Parser, is_checkpoint, usage_exit  # noqa: E402
+from acl.common import Parser, is_checkpoint, usage_exit  # noqa: E402
 from envs.base import parse_tool_calls  # noqa: E402
 from envs.ecommerce import EcommerceEnv, expert_turns, play  # noqa: E402
 
@@ -94,7 +94,7 @@ def main(argv=None):
         usage_exit("need --n >= 1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envs.rollout import HFBackend
+    from acl.engine import HFBackend
     tok = AutoTokenizer.from_pretrained(a.ckpt)
     backend = HFBackend(AutoModelForCausalLM.from_pretrained(a.ckpt), tok)   # from_pretrained: inference mode
     env = EcommerceEnv()

@@ -1,7 +1,7 @@
 """GPU figures for the full-scale recipe, with no download: a randomly initialised model with the Qwen3-1.7B
-configuration, (1) the training-step throughput of train_seq.py's GRPO update (train_step.train_on with
+configuration, (1) the training-step throughput of train_seq.py's GRPO update (acl.step.train_on with
 grpo_loss, under FSDP2 with bf16 MixedPrecisionPolicy) in tokens/s and MFU, and (2) the hf backend's
-generation throughput (envs.rollout.HFBackend, bf16), and with --lora R (3) the same update on mle.py's expert (the
+generation throughput (acl.engine.HFBackend, bf16), and with --lora R (3) the same update on mle.py's expert (the
 model frozen, a rank-R adapter trained) beside full fine-tuning. Run through bench/gpu.sh on one H200 (under 8 minutes):
 
     bash bench/gpu.sh                                             # torchrun --nproc_per_node=1 bench/gpu_step.py
@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import checkpoint_activations, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
-from scale import KNOWN_CONFIGS  # noqa: E402
-from train_step import micro_batches, train_on  # noqa: E402
+from acl.common import checkpoint_activations, init_dist, print0, resolve_attn, shard, teardown  # noqa: E402
+from acl.scale import KNOWN_CONFIGS  # noqa: E402
+from acl.step import micro_batches, train_on  # noqa: E402
 
 PEAK_TFLOPS = 989.0   # H100/H200 SXM, bf16 dense
 
@@ -98,7 +98,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     import train_seq
-    from envs.rollout import HFBackend
+    from acl.engine import HFBackend
     if a.config not in KNOWN_CONFIGS and not os.path.isfile(os.path.join(a.config, "config.json")):
         p.error(f"--config {a.config}: not one of {', '.join(sorted(KNOWN_CONFIGS))} nor a checkpoint directory")
     known = KNOWN_CONFIGS.get(a.config) or Qwen3Config.from_pretrained(a.config).to_dict()

@@ -13,7 +13,7 @@ distribution), fp32 on the CPU, no KL, no vLLM, one optimizer step per update, i
 preset's --micro-batch sequences. The first update is a warm-up; the table reports the mean of the others.
 --sides ours (or trl) runs that side alone and prints its row without a ratio (the tests' smoke run needs no TRL).
 - ours: what one step of train_seq.grpo() does: envs.rollout.rollout with HFBackend (the policy itself,
-  batches of the preset's --gen-batch), train_seq.group_advantages, then train_step.train_on with
+  batches of the preset's --gen-batch), train_seq.group_advantages, then acl.step.train_on with
   train_seq.grpo_loss and the tiny preset's flags (clip 0.2/0.28, token-mean, tis cap, grad clip 1,
   AdamW betas 0.9/0.999, the preset's lr: 2e-4, 5e-4 when the figures below were measured).
 - TRL: GRPOTrainer with a dataset of the same system+user messages (the tokenizer's chat template renders
@@ -68,11 +68,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_seq  # noqa: E402
-from common import resolve_attn  # noqa: E402
+from acl.common import resolve_attn  # noqa: E402
+from acl.engine import HFBackend
+from acl.step import Cursor, train_on  # noqa: E402
 from envs import make_env  # noqa: E402
 from envs.math import grade  # noqa: E402
-from envs.rollout import HFBackend, rollout  # noqa: E402
-from train_step import Cursor, train_on  # noqa: E402
+from envs.rollout import rollout
 
 
 def checkpoint(path: str | None, seed: int) -> str:
@@ -82,7 +83,7 @@ def checkpoint(path: str | None, seed: int) -> str:
         return path
     from transformers import Qwen3ForCausalLM
 
-    from envs.tiny import model_config, train_tokenizer
+    from pretrain import model_config, train_tokenizer
     print(f"no checkpoint at {path}: building a random tiny model in a temporary directory")
     texts = [m["content"] for d in make_env("math").demos(500, seed=seed) for m in d["messages"]]
     tok = train_tokenizer(texts)

@@ -65,7 +65,7 @@ def run(cmd: list) -> tuple:
 def max_diff(a: str, b: str) -> float:
     from safetensors import safe_open
 
-    from common import shard_files
+    from acl.common import shard_files
     fa, fb = shard_files(a), shard_files(b)
     worst = 0.0
     for name, path in fa.items():

@@ -24,8 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from acl.engine import HFBackend
+from acl.vllm import VLLMBackend
 from envs import make_env, parse_domains  # noqa: E402
-from envs.rollout import HFBackend, VLLMBackend, expert_episodes, rollout  # noqa: E402
+from envs.rollout import expert_episodes, rollout
 
 
 def main(argv=None):

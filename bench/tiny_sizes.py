@@ -1,6 +1,6 @@
 """Benchmark: what a bigger tiny model costs on this CPU, the first lever of a stronger tiny arena. The Qwen3
 architecture (the 8B code path) at about 1, 3, 6 and 12 M parameters with the tiny tokenizer's 1,024-token
-vocabulary: decoding tokens/s through the project's own hf engine (envs.rollout.HFBackend.generate: --batch
+vocabulary: decoding tokens/s through the project's own hf engine (acl.engine.HFBackend.generate: --batch
 sequences, --prompt prompt tokens, --new sampled tokens each, no stop), and training tokens/s (forward, backward and
 an AdamW step on --batch sequences of prompt + new tokens, the loss on every token), each size beside the 1 M model
 (today's tiny base, SIZES["tiny"]) as the peer. Random weights: speed does not depend on what a model knows.
@@ -49,7 +49,7 @@ def best(fn, repeat: int) -> float:
 def decode_rate(model, batch: int, prompt: int, new: int, repeat: int) -> float:
     from types import SimpleNamespace
 
-    from envs.rollout import HFBackend
+    from acl.engine import HFBackend
     model.eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, model.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]

@@ -16,7 +16,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from common import UsageError  # noqa: F401  (the project's one input-error type, re-exported)
+
+class UsageError(ValueError):
+    """The project's one input-error type: bad input from the user (a flag, a path, a data file), never from the
+    model. Every script's main prints it as one line ("error: ...") and exits with status 2 (usage_exit)."""
 
 
 class ToolError(Exception):

@@ -5,7 +5,7 @@ breaks the phone and/or the account in its initial state; the reward is tau2's E
 the final phone and records: is mobile data working, is the speed excellent, can the phone send an MMS...
 
     env = EcommerceEnv(data="data/tau2/domains/telecom", user_url=..., user_model=...)   # split: base, small, ...
-    python -m envs.tau_telecom data/tau2/domains/telecom small   # check: tau3's 20 small tasks -> 20 solved by gold, 0 by nothing
+    python bench/tau_gold_replay.py data/tau2/domains/telecom small   # tau3's 20 small tasks -> 20 solved by gold, 0 by nothing
 
 A data directory holds tau2's db.toml, user_db.toml, tasks.json, split_tasks.json, main_policy.md and
 tech_support_manual.md (envs/ecommerce.py's load_store reads it, and its EcommerceEnv runs the episode).
@@ -767,38 +767,3 @@ USER_TOOLS = [
     (make_payment, "Pay the bill of the agent's payment request.", {}),
 ]
 WRITES = {"suspend_line", "resume_line", "send_payment_request", "enable_roaming", "disable_roaming", "refuel_data"}
-
-
-def gold_check(data_dir: str, split: str) -> tuple:
-    """(tasks, solved by replaying their gold actions, solved by doing nothing) for a telecom directory: every task
-    set up, then each task's gold actions run (the agent's through the environment, the user's on the phone, synced
-    after each) and scored, and once more with no action. A check of a data directory and of this port."""
-    from envs.ecommerce import EcommerceEnv, run_tool, sync
-    env = EcommerceEnv(data=data_dir, user_url="http://127.0.0.1:9/v1", user_model="none")   # the user never speaks
-    env._chat = lambda chat, max_tokens=None, tools=None: ("My phone has a problem.", [])
-    tasks, solved = env.tasks(split), {"gold": 0.0, "nothing": 0.0}
-    for run in solved:
-        for task in tasks:
-            state = env.reset(task)
-            info = state.info
-            for a in task.gold["actions"] if run == "gold" else []:
-                if a["requestor"] == "user":
-                    run_tool(info["world"] + "_user", info["user_db"], a["name"], a["arguments"])
-                    sync(info["world"], info["db"], info["user_db"])
-                    info["calls"].append((a["name"], a["arguments"]))
-                else:
-                    env._call(state, a["name"], a["arguments"])
-            info["ended"], state.done = info["ended"] or "user_stop", True
-            solved[run] += env.score(state)[0]
-    return len(tasks), solved["gold"], solved["nothing"]
-
-
-if __name__ == "__main__":   # python -m envs.tau_telecom DIR [SPLIT]: the gold-replay check of a telecom directory
-    import sys
-
-    from common import UsageError, usage_exit
-    try:
-        n, gold, nothing = gold_check(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "base")
-    except (UsageError, IndexError) as e:
-        usage_exit(UsageError(str(e) if isinstance(e, UsageError) else "usage: python -m envs.tau_telecom DIR [SPLIT]"))
-    print(f"{n} tasks: gold actions replayed solve {gold:.0f}, doing nothing solves {nothing:.0f}")

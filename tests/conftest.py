@@ -14,7 +14,7 @@ def micro():
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from envs.tiny import model_config, train_tokenizer
+    from pretrain import model_config, train_tokenizer
     texts = ["What is 12+7? \\boxed{19}", "<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"x\"}}</tool_call>",
              "Tomas Velder was born in Brimsk. <answer>Brimsk</answer>"] * 20
     tok = train_tokenizer(texts, vocab_size=400)

@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from common import all_reduce_mean, full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
+from acl.common import all_reduce_mean, full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
 
 
 def main():

@@ -1,10 +1,10 @@
 """Run by tests/test_train_seq.py, once alone and once under `torchrun --standalone --nproc_per_node=2`
-(gloo): one GRPO update (train_step.train_on with train_seq's clipped surrogate) of a micro Qwen3 on a fixed
+(gloo): one GRPO update (acl.step.train_on with train_seq's clipped surrogate) of a micro Qwen3 on a fixed
 global batch of episodes, each rank taking its share, FSDP2-sharded when distributed. The sampler's
 log-probs are perturbed so the clip and the importance weight are exercised. Rank 0 writes the loss,
 the clip fraction and the updated full state dict to argv[1]. argv[4] "uneven": rank 0 holds 7 episodes and
 rank 1 one (train_on and episode_logprobs must pad the smaller rank's passes), and the episodes' log-probs
-(train_step.episode_logprobs, gathered) are written too. argv[4] "lora": the model is mle.py's expert (the frozen
+(acl.step.episode_logprobs, gathered) are written too. argv[4] "lora": the model is mle.py's expert (the frozen
 micro Qwen3 with a LoRA adapter whose B is made non-zero, AdamW on the adapter only, the k3 KL to the adapter-disabled
 model through mle.AdapterOff), sharded the same way. argv[5] "nccl-like": the process group is the one init_dist starts
 on GPUs with NCCL's part played by gloo (nccl_like), so it refuses a CPU tensor wherever NCCL would; argv[5] "nccl":
@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from common import full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
-from envs.rollout import Episode  # noqa: E402
+from acl.common import full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
+from acl.step import episode_logprobs, train_on  # noqa: E402
+from envs.rollout import Episode
 from train_seq import grpo_loss  # noqa: E402
-from train_step import episode_logprobs, train_on  # noqa: E402
 
 
 def episodes(n: int = 8):
@@ -62,7 +62,7 @@ def nccl_like(backend: str) -> str:
 
 def main():
     if len(sys.argv) > 5:   # "nccl-like": the group init_dist starts on GPUs; "nccl": the bare NCCL group it started before
-        import common
+        from acl import common
         on_gpus = common.dist_backend(True) if sys.argv[5] == "nccl-like" else sys.argv[5]
         common.dist_backend = lambda cuda: nccl_like(on_gpus)
     init_dist()

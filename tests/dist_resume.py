@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from common import (  # noqa: E402
+from acl.common import (  # noqa: E402
     full_state_dict,
     init_dist,
     load_train_state,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import analyze
-from common import read_tensor, save_checkpoint, shard_files
+from acl.common import read_tensor, save_checkpoint, shard_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""common.py: atomic checkpoints, and FSDP2 under torchrun (2 CPU processes, gloo) matching one process."""
+"""acl/common.py: atomic checkpoints, and FSDP2 under torchrun (2 CPU processes, gloo) matching one process."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import common
+from acl import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -142,7 +142,7 @@ class Says:
 
 def expert_tokenizer(tasks):
     from envs.rollout import ChatML
-    from envs.tiny import train_tokenizer
+    from pretrain import train_tokenizer
     tok = train_tokenizer([m["content"] for t in tasks for m in play(ENV, t, expert_turns(t)).messages] * 3, 600)
     return tok, ChatML(tok)
 
@@ -200,10 +200,10 @@ def test_turns_cli_end_to_end_on_a_micro_checkpoint(tmp_path):
     import torch
     from transformers import Qwen3ForCausalLM
 
+    from acl.common import save_checkpoint
     from bench.ecommerce_turns import expert_turn_prompts
-    from common import save_checkpoint
     from envs.rollout import ChatML
-    from envs.tiny import model_config
+    from pretrain import model_config
     tasks = ENV.tasks("test", n=2)
     tok, _ = expert_tokenizer(tasks)
     torch.manual_seed(0)

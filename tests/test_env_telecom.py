@@ -261,15 +261,17 @@ def test_telecom_bad_data_stops_with_one_line(tmp_path, user):
 
 
 def test_the_gold_replay_check_of_a_telecom_directory(tmp_path):
-    """python -m envs.tau_telecom DIR SPLIT: gold actions replayed and scored, and no action. In this fixture two tasks
+    """python bench/tau_gold_replay.py DIR SPLIT: gold actions replayed and scored, and no action. In this fixture two tasks
     are solved by their gold actions (roaming switched on at both ends; the transfer); two have none (their gold is
     the assertions alone), and nothing solves no task."""
     import subprocess
     import sys
-    assert tel.gold_check(write_telecom(tmp_path / "t"), "base") == (4, 2.0, 0.0)
-    r = subprocess.run([sys.executable, "-m", "envs.tau_telecom", str(tmp_path / "t"), "base"], capture_output=True,
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from tau_gold_replay import gold_check
+    assert gold_check(write_telecom(tmp_path / "t"), "base") == (4, 2.0, 0.0)
+    r = subprocess.run([sys.executable, "bench/tau_gold_replay.py", str(tmp_path / "t"), "base"], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "4 tasks: gold actions replayed solve 2, doing nothing solves 0"
-    r = subprocess.run([sys.executable, "-m", "envs.tau_telecom", str(tmp_path / "none")], capture_output=True,
+    r = subprocess.run([sys.executable, "bench/tau_gold_replay.py", str(tmp_path / "none")], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.startswith("error: e-commerce data directory not found")

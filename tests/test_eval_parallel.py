@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from common import save_checkpoint
+from acl.common import save_checkpoint
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

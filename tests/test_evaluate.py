@@ -13,9 +13,11 @@ import torch
 from fake_http import JSONServer
 from test_env_ecommerce import MOCK_TASKS, write_mock, write_tau2
 
+import acl.common
 import evaluate
-from common import save_checkpoint
-from envs import UsageError
+from acl import forgetting
+from acl.common import save_checkpoint
+from envs.base import UsageError
 from envs.rollout import Generation
 
 torch.set_num_threads(1)
@@ -38,7 +40,7 @@ def test_accuracy_matrix_forgetting_bwt_fwt_by_hand():
               ("seq-2-search", "search", tiny_results(math=0.6, search=0.6, ecommerce=0.2, **{"if": 0.25})),
               ("seq-3-if", "if", {"record": 1, "benchmarks": tiny_results(math=0.2, search=0.4, ecommerce=0.1,
                                                                             **{"if": 0.9})})]
-    m = evaluate.accuracy_matrix(stages, base, ["math", "search", "ecommerce", "if"])
+    m = forgetting.accuracy_matrix(stages, base, ["math", "search", "ecommerce", "if"])
     assert m["rows"] == ["base", "seq-1-math", "seq-2-search", "seq-3-if"]
     assert m["matrix"][2] == [0.6, 0.6, 0.2, 0.25] and m["matrix"][3][3] == 0.9
     assert m["learned"] == {"math": "seq-1-math", "search": "seq-2-search", "if": "seq-3-if"}
@@ -51,41 +53,41 @@ def test_accuracy_matrix_forgetting_bwt_fwt_by_hand():
     assert m["bwt"] == pytest.approx(-0.25)
     # FWT: stage before learning minus base, over search and if: ((.1-0) + (.25-.2)) / 2
     assert m["fwt"] == pytest.approx(0.075)
-    table = evaluate.matrix_table(m)
+    table = forgetting.matrix_table(m)
     assert "| seq-2-search | 0.600 | 0.600 | 0.200 | 0.250 |" in table and "BWT -0.250" in table
 
 
 def test_accuracy_matrix_missing_values_and_repeats():
     stages = [("seq-1-math", "math", tiny_results(math=0.5)), ("seq-2-if", "if", tiny_results(math=0.3))]
-    m = evaluate.accuracy_matrix(stages, None, ["math", "if"])
+    m = forgetting.accuracy_matrix(stages, None, ["math", "if"])
     assert m["matrix"][0] == [None, None] and m["fwt"] is None and m["bwt"] == pytest.approx(-0.2)
     assert m["forgetting"] == {"math": pytest.approx(0.2), "if": None}
     with pytest.raises(ValueError, match="learned twice"):
-        evaluate.accuracy_matrix(stages + [("seq-3-math", "math", {})], None, ["math"])
+        forgetting.accuracy_matrix(stages + [("seq-3-math", "math", {})], None, ["math"])
 
 
 def test_plot_and_tables(tmp_path):
-    m = evaluate.accuracy_matrix([("seq-1-math", "math", tiny_results(math=0.5, search=0.1))],
+    m = forgetting.accuracy_matrix([("seq-1-math", "math", tiny_results(math=0.5, search=0.1))],
                                  tiny_results(math=0.1), ["math", "search"])
-    path = evaluate.plot_matrix(m, str(tmp_path / "eval" / "m.png"))
+    path = forgetting.plot_matrix(m, str(tmp_path / "eval" / "m.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path / "eval") == ["m.png"]
-    table = evaluate.markdown_table({"base": tiny_results(math=0.1), "seq-1-math": {
+    table = forgetting.markdown_table({"base": tiny_results(math=0.1), "seq-1-math": {
         "benchmarks": {"math/test": {"mean": 0.5, "std": 0.05}, "if/test": bench(0.2)}}})
     assert table.splitlines() == ["| checkpoint | math/test | if/test |", "|---|---|---|",
                                   "| base | 0.100 ± 0.000 | – |", "| seq-1-math | 0.500 ± 0.050 | 0.200 ± 0.000 |"]
 
 
 def test_run_name():
-    assert evaluate.run_name("runs/tiny/seq/1-math") == (os.path.join(ROOT, "runs", "tiny", "eval"), "seq-1-math")
-    assert evaluate.run_name("/x/runs/tiny/oracle/math/")[1] == "oracle-math"
-    assert evaluate.run_name("/x/runs/a/runs/tiny/base") == ("/x/runs/a/runs/tiny/eval", "base")
-    assert evaluate.run_name("/x/ckpts/base") == (None, "base")
+    assert acl.common.run_name("runs/tiny/seq/1-math") == (os.path.join(ROOT, "runs", "tiny", "eval"), "seq-1-math")
+    assert acl.common.run_name("/x/runs/tiny/oracle/math/")[1] == "oracle-math"
+    assert acl.common.run_name("/x/runs/a/runs/tiny/base") == ("/x/runs/a/runs/tiny/eval", "base")
+    assert acl.common.run_name("/x/ckpts/base") == (None, "base")
 
 
 def test_save_results_is_atomic(tmp_path):
     path = str(tmp_path / "eval" / "base.json")
     evaluate.save_results(path, {"math/test": bench(0.5)})
-    assert evaluate.load_results(path) == {"math/test": bench(0.5)} and os.listdir(tmp_path / "eval") == ["base.json"]
+    assert forgetting.load_results(path) == {"math/test": bench(0.5)} and os.listdir(tmp_path / "eval") == ["base.json"]
 
 
 # ----------------------------------------------------------------------------- evaluate_model
@@ -404,7 +406,7 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
     assert res["aime26"]["k"] == 16 and res["ifeval"]["k"] == 1  # AIME is avg@16
     assert res["bamboogle"]["metrics"]["answered"] == 1.0 and "f1" in res["bamboogle"]["metrics"]
     assert res["tau_retail"]["metrics"]["user_error"] == 0.0 and res["tau_retail"]["metrics"]["db_match"] == 0.5
-    assert evaluate.domain_score(res, "math") == 0.5 and evaluate.domain_score(res, "search") is None  # nq: absent
+    assert forgetting.domain_score(res, "math") == 0.5 and forgetting.domain_score(res, "search") is None  # nq: absent
     with pytest.raises(UsageError, match="tau_mock needs"):
         evaluate.load_benchmarks("full", benchmarks=["tau_mock"], env_opts=env_opts)
     with pytest.raises(UsageError, match="unknown full-suite benchmark 'aime25'"):
@@ -417,14 +419,14 @@ def test_single_and_multi_hop_columns_average_their_benchmarks_per_seed():
     bench = lambda *seeds: {"mean": sum(seeds) / len(seeds), "std": 0.0, "n": 10, "per_seed": list(seeds)}
     res = {"nq": bench(0.5, 0.5), "triviaqa": bench(0.6, 0.8), "popqa": bench(0.2, 0.2), "hotpotqa": bench(0.4, 0.2),
            "2wikimultihopqa": bench(0.3, 0.3), "musique": bench(0.1, 0.1), "bamboogle": bench(0.2, 0.4)}
-    g = evaluate.group_averages(res)
+    g = forgetting.group_averages(res)
     assert g["single_hop"]["per_seed"] == pytest.approx([0.4, 0.5]) and g["single_hop"]["mean"] == pytest.approx(0.45)
     assert g["single_hop"]["std"] == pytest.approx(statistics.stdev([0.4, 0.5])) and g["single_hop"]["n"] == 20
     assert g["multi_hop"]["per_seed"] == pytest.approx([0.25, 0.25]) and g["multi_hop"]["std"] == pytest.approx(0.0)
-    table = evaluate.markdown_table({"ckpt": res})
+    table = forgetting.markdown_table({"ckpt": res})
     assert table.splitlines()[0].endswith("| bamboogle | single_hop | multi_hop |") and "0.450 ± 0.071" in table
     del res["popqa"]
-    assert list(evaluate.group_averages(res)) == ["multi_hop"]
+    assert list(forgetting.group_averages(res)) == ["multi_hop"]
 
 
 @pytest.mark.parametrize("text, suite, want", [

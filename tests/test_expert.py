@@ -11,8 +11,9 @@ import torch
 import evaluate
 import report
 import train_seq
-from common import UsageError
+from acl import forgetting
 from envs import make_env, per_domain
+from envs.base import UsageError
 from envs.rollout import (
     Generation,
     ReplayBackend,
@@ -100,7 +101,7 @@ def test_gold_likelihood_of_an_expert_copier_beats_a_random_model(micro):
     model untrained (random), on the same expert episodes; the values are deterministic."""
     import copy
 
-    from train_step import sft_epochs
+    from acl.step import sft_epochs
     model, tok = micro
     env = make_env("math")
     tasks = env.tasks("train", n=8)
@@ -176,7 +177,7 @@ def test_per_domain_rates_parse_and_refuse_bad_input():
     (["--preset", "qwen3-8b", "--cold-start", "expert", "--dry-run", "--world-size", "8"], "needs --expert-data DIR"),
 ])
 def test_train_seq_refuses_bad_rates_in_one_line(flags, msg, tmp_path, micro):
-    from common import save_checkpoint
+    from acl.common import save_checkpoint
     model, tok = micro
     save_checkpoint(str(tmp_path / "base"), model, tok, {"method": "base"})
     a = train_seq.get_args(["--init", str(tmp_path / "base"), "--runs", str(tmp_path / "runs")] + flags)
@@ -185,7 +186,7 @@ def test_train_seq_refuses_bad_rates_in_one_line(flags, msg, tmp_path, micro):
 
 
 def test_per_domain_rates_reach_the_stage_and_its_recipe(tmp_path, micro):
-    from common import save_checkpoint
+    from acl.common import save_checkpoint
     model, tok = micro
     save_checkpoint(str(tmp_path / "base"), model, tok, {"method": "base"})
     a = train_seq.check_args(train_seq.get_args(["--init", str(tmp_path / "base"), "--runs", str(tmp_path / "r"),
@@ -209,31 +210,31 @@ def record(values, ids=None, gold=None):
 
 
 def test_paired_difference_and_matrix_standard_errors():
-    x = evaluate.domain_cell(record([0, 1, 0, 1]), "math")
-    y = evaluate.domain_cell(record([1, 1, 0, 1]), "math")
-    d, se = evaluate.paired_difference(x, y)
+    x = forgetting.domain_cell(record([0, 1, 0, 1]), "math")
+    y = forgetting.domain_cell(record([1, 1, 0, 1]), "math")
+    d, se = forgetting.paired_difference(x, y)
     assert d == pytest.approx(0.25) and se == pytest.approx(0.25)     # diffs 1,0,0,0: sd 0.5 / sqrt 4
     # other tasks cannot be paired: the difference of means, no SE
-    z = evaluate.domain_cell(record([1, 1, 1, 1], ids=["u0", "u1", "u2", "u3"]), "math")
-    assert evaluate.paired_difference(x, z) == (pytest.approx(0.5), None)
+    z = forgetting.domain_cell(record([1, 1, 1, 1], ids=["u0", "u1", "u2", "u3"]), "math")
+    assert forgetting.paired_difference(x, z) == (pytest.approx(0.5), None)
     base = record([0, 0, 0, 0], gold=[-3.0, -3.0, -3.0, -3.0])
     s1 = record([1, 1, 0, 1], gold=[-1.0, -1.2, -1.1, -0.9])
     s2 = record([0, 1, 0, 0], gold=[-2.0, -2.0, -2.5, -1.5])
     stages = [("seq-1-math", "math", s1), ("seq-2-if", "if", s2)]
-    m = evaluate.accuracy_matrix(stages, base, ["math", "if"])
+    m = forgetting.accuracy_matrix(stages, base, ["math", "if"])
     assert m["gain"]["math"] == (pytest.approx(0.75), pytest.approx(0.25))
     assert m["forgetting"]["math"] == pytest.approx(0.5) and m["bwt"] == pytest.approx(-0.5)
     assert m["forgetting_se"]["math"] == pytest.approx(math.sqrt(1 / 3) / 2)   # diffs 1,0,0,1
     assert m["bwt_se"] == pytest.approx(m["forgetting_se"]["math"])
-    g = evaluate.accuracy_matrix(stages, base, ["math", "if"], metric="gold")
+    g = forgetting.accuracy_matrix(stages, base, ["math", "if"], metric="gold")
     assert g["matrix"][1][0] == pytest.approx(-1.05) and g["bwt"] == pytest.approx(-2.0 + 1.05)
-    assert "±" in evaluate.matrix_table(g) and "gold log-likelihood" in evaluate.matrix_table(g)
+    assert "±" in forgetting.matrix_table(g) and "gold log-likelihood" in forgetting.matrix_table(g)
 
 
 def test_across_training_seeds(tmp_path):
     runs = []
     for k, (a, b) in enumerate([(0.5, 0.2), (0.7, 0.4), (0.6, 0.3)]):
-        m = evaluate.accuracy_matrix([("seq-1-math", "math", record([a] * 4)), ("seq-2-if", "if", record([b] * 4))],
+        m = forgetting.accuracy_matrix([("seq-1-math", "math", record([a] * 4)), ("seq-2-if", "if", record([b] * 4))],
                                      record([0.1] * 4), ["math"])
         run = tmp_path / f"runs/tiny-seed{k}"
         os.makedirs(run / "eval")

@@ -50,7 +50,7 @@ def test_two_stages_hand_off_under_torchrun(micro_base, tmp_path):  # noqa: F811
 
 
 def test_bf16_logprobs_are_the_fp32_reference_within_bf16_rounding(micro):
-    from train_step import selected_logprobs
+    from acl.step import selected_logprobs
     model, tok = micro
     ids = torch.tensor([tok("What is 12+7? \\boxed{19} Tomas Velder was born in Brimsk.")["input_ids"]] * 2)
     with torch.no_grad():

@@ -1,47 +1,90 @@
-"""The house: shared code (envs/, common.py, train_step.py, scale.py) never imports a method script, and the earlier
-layers never import the later ones (envs -> common -> train_step, scale -> methods)."""
+"""The house's layer rule, read off the import graph (every import, function-level ones too): three floors with
+arrows only downward (scripts at the root -> the acl/ library -> envs/), a script imports another script only where
+it composes that method, and there is no import circle anywhere."""
 import ast
 import glob
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = {"train_seq", "evaluate", "merge", "analyze", "sdft", "mmopd", "mle", "report"}
+# the script -> script arrows allowed: a method run inside another (mle.py trains its experts with train_seq.py's
+# GRPO loop; train_seq.py evaluates after each stage and merge.py scores its candidates with evaluate.py)
+COMPOSES = {"mle": {"train_seq"}, "train_seq": {"evaluate"}, "merge": {"evaluate"}}
 
 
-def imports(path) -> set:
-    """Top-level module names a file imports, anywhere in it (function-level imports too)."""
-    out = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Import):
-            out |= {n.name.split(".")[0] for n in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module.split(".")[0])
+def graph(root: str) -> dict:
+    """{module: {project modules it imports}} for the root's scripts, acl/ and envs/ (names as 'acl.step')."""
+    paths = glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "acl", "*.py")) + \
+        glob.glob(os.path.join(root, "envs", "*.py"))
+    names = {os.path.relpath(p, root)[:-3].replace(os.sep, ".").removesuffix(".__init__"): p for p in paths}
+    out = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                mods = [n.name for n in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [node.module] + [f"{node.module}.{n.name}" for n in node.names]
+            else:
+                continue
+            found |= {m for m in mods if m in names}
+        out[name] = found - {name, "envs", "acl"} if name not in ("envs", "acl") else found - {name}
     return out
 
 
-def test_shared_code_never_imports_a_method_or_a_later_layer():
-    layers = {"envs": {"train_step", "scale"}, "common": {"train_step", "scale", "envs"}, "train_step": {"scale"},
-              "scale": {"train_step"}}
-    files = {"envs": glob.glob(os.path.join(ROOT, "envs", "*.py")), "common": [os.path.join(ROOT, "common.py")],
-             "train_step": [os.path.join(ROOT, "train_step.py")], "scale": [os.path.join(ROOT, "scale.py")]}
-    for layer, paths in files.items():
-        for path in paths:
-            bad = imports(path) & (METHODS | layers[layer])
-            assert not bad, f"{os.path.relpath(path, ROOT)} imports {sorted(bad)}"
+def floor(name: str) -> int:
+    return 0 if name.split(".")[0] == "envs" else 1 if name.split(".")[0] == "acl" else 2
 
 
-def test_the_method_files_stay_readable_in_size():
-    """train_seq.py under ~570 lines (480 after the issue that made train_step.py; issue 17 added the authors' expert
-    cold start, GSPO and per-domain rates; issue 20 split its GRPO flags out for mle.py, and its expert-records reader
-    moved to envs/rollout.py), each shared module under ~600 (train_step.py passed it with teacher scoring: the
-    --dry-run part moved to scale.py), common.py under ~700 (issue 22 added what an 8B run needs from plumbing:
-    sharded resume states through torch.distributed.checkpoint, bf16 checkpoints, W&B logging, the process-group
-    timeout). Raised once more by the 8B first day (issues 38, 45): train_seq.py to ~590 (the KL reference after the
-    cold start, the watched metrics, the wake order), common.py to ~770 (the backend map that serves CPU tensors on
-    GPUs, the one-GPU group, save_policy's barrier, fsync before a rename). Raised by issue 39 and 38's rest:
-    train_seq.py to ~615 (the parent's and data's identity in a stage's recipe, --group and the token limits per
-    stage), common.py to ~820 (lineage by identity, the leftover sweep by writer, loading for the shard). The issue
-    that rebuilds the house (40) replaces this ratchet with the layer rule."""
-    def n(name):
-        return sum(1 for _ in open(os.path.join(ROOT, name)))
-    assert n("train_seq.py") <= 615 and n("common.py") <= 820 and n("train_step.py") <= 600 and n("scale.py") <= 600
+def violations(g: dict) -> list:
+    bad = []
+    for a, targets in g.items():
+        for b in targets:
+            if floor(b) > floor(a):
+                bad.append(f"{a} imports {b}: an upward arrow")
+            elif floor(a) == floor(b) == 2 and b not in COMPOSES.get(a, set()):
+                bad.append(f"{a} imports the script {b}, which it does not compose")
+    # a circle: a strongly connected component of more than one module (Tarjan's, iteratively small enough)
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return bad + [f"an import circle: {' <-> '.join(c)}" for c in comps]
+
+
+def test_the_house_has_three_floors_arrows_downward_and_no_circle():
+    assert violations(graph(ROOT)) == []
+
+
+def test_the_rule_sees_an_upward_arrow_a_stray_script_import_and_a_circle(tmp_path):
+    for d, files in {"envs": {"__init__": "", "base": "", "math": "from acl.common import x\n"},
+                     "acl": {"__init__": "", "common": "import envs.base\n", "step": "import acl.engine\n",
+                             "engine": "from acl import step\n"},
+                     ".": {"report": "import mmopd\n", "mmopd": "import acl.step\n", "mle": "import train_seq\n",
+                           "train_seq": ""}}.items():
+        os.makedirs(tmp_path / d, exist_ok=True)
+        for name, text in files.items():
+            (tmp_path / d / f"{name}.py").write_text(text)
+    assert sorted(violations(graph(str(tmp_path)))) == [
+        "an import circle: acl.engine <-> acl.step", "envs.math imports acl.common: an upward arrow",
+        "report imports the script mmopd, which it does not compose"]

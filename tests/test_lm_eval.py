@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import evaluate
-from common import save_checkpoint
+from acl import forgetting
+from acl.common import save_checkpoint
 from envs.instruct import check_instructions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,7 @@ EXPECTED_DISAGREEMENTS = {
 
 
 def test_the_map_names_a_task_for_each_non_agentic_benchmark_or_none():
-    assert set(evaluate.LM_EVAL_TASKS) == {b for b, d in evaluate.FULL_BENCHMARKS.items() if d in ("math", "if")}
+    assert set(evaluate.LM_EVAL_TASKS) == {b for b, d in forgetting.FULL_BENCHMARKS.items() if d in ("math", "if")}
     assert evaluate.LM_EVAL_TASKS["ifeval"] == ("ifeval", "prompt_level_strict_acc,none")
     assert evaluate.LM_EVAL_TASKS["aime26"] is None and evaluate.LM_EVAL_TASKS["ifbench"] is None
 
@@ -107,7 +108,7 @@ def test_lm_eval_scores_go_to_their_own_key_and_resume_keeps_ours(micro, tmp_pat
     code, out, err = cli(monkeypatch, capsys, "--ckpt", ckpt, *args, "--harness", "lm-eval")   # no --resume: both again
     assert code == 0 and calls == [ckpt, ckpt]
     # the table and the accuracy matrix read ours only
-    assert evaluate.domain_score(json.loads(rec_path.read_text()), "if") == ours["benchmarks"]["ifeval"]["mean"]
+    assert forgetting.domain_score(json.loads(rec_path.read_text()), "if") == ours["benchmarks"]["ifeval"]["mean"]
 
 
 def test_the_installed_lm_eval_has_every_mapped_task():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import merge
-from common import read_header, read_tensor, save_checkpoint, shard_files
+from acl.common import read_header, read_tensor, save_checkpoint, shard_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

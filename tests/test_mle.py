@@ -17,10 +17,13 @@ import torch
 
 import mle
 import train_seq
-from common import UsageError, load_policy
+from acl import routing
+from acl.common import load_policy
+from acl.engine import HFBackend
+from acl.step import episode_logprobs
 from envs import make_env
-from envs.rollout import ChatML, HFBackend, rollout
-from train_step import episode_logprobs
+from envs.base import UsageError
+from envs.rollout import ChatML, rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-base")
@@ -120,7 +123,7 @@ def test_the_hf_backend_keeps_a_bounded_number_of_adapters_loaded(tiny, tmp_path
     never holds more than MAX_ADAPTERS loaded (the least recently used unloaded); an adapter used again after it was
     unloaded gives the log-probs it gave before, and reloading it moves no sampling stream (a seeded sample equals a
     fresh backend's)."""
-    from envs.rollout import MAX_ADAPTERS
+    from acl.engine import MAX_ADAPTERS
     model, tok = tiny
     dirs = []
     for s in range(MAX_ADAPTERS + 3):
@@ -155,7 +158,7 @@ def test_fsdp2_lora_two_cpu_ranks_match_one_process(tmp_path):
 
 def test_dry_run_qwen3_8b_with_lora_counts_the_adapter_and_a_frozen_backbone(capsys):
     a = mle.check_args(mle.get_args(["--preset", "qwen3-8b", "--dry-run", "--world-size", "8"]))
-    from scale import dry_run
+    from acl.scale import dry_run
     out = dry_run(a, "Qwen/Qwen3-8B-Base", 8, a.micro_batch, a.max_tokens,
                   lora=dict(rank=16, targets=list(mle.TARGETS.values())))
     assert out["n_lora"] == 43_646_976                       # peft's count for Qwen3-8B, rank 16, all seven projections
@@ -315,22 +318,21 @@ class Payload:
 def test_a_router_file_with_a_pickled_payload_is_refused(done, tmp_path):
     import shutil
 
-    import mle
-    from common import UsageError
+    from envs.base import UsageError
     out, _ = done
     crafted = str(tmp_path / "mle")
     shutil.copytree(out, crafted)
     marker = str(tmp_path / "pwned")
     torch.save({"dim": 8, "domains": ["math"], "state": Payload(marker)}, os.path.join(crafted, "router.pt"))
     with pytest.raises(UsageError, match="is not a router this project saved"):
-        mle.router(crafted, "learned", object())
+        routing.router(crafted, "learned", object())
     assert not os.path.exists(marker)
 
 
 def test_a_task_whose_tag_has_no_expert_and_a_missing_expert_fail_with_one_line(done, tmp_path):
     out, _ = done
     _, tok = load_policy(TINY, "cpu")
-    route = mle.router(out, "tag", tok)
+    route = routing.router(out, "tag", tok)
     math, eco = make_env("math"), make_env("ecommerce")
     assert route(math, math.tasks("test")[0]).endswith(os.path.join("experts", "math"))
     with pytest.raises(UsageError, match="no expert for the tag 'ecommerce'"):
@@ -368,8 +370,8 @@ def test_a_router_mix_blend_is_the_weighted_sum_of_the_experts_updates(done, tmp
     of each expert's merged update; a near one-hot blend is the expert itself; evaluate.py runs with it."""
     from peft import PeftModel
     out, _ = done
-    experts = mle.experts_of(out)
-    blends = mle.Blends(TINY, experts)
+    experts = routing.experts_of(out)
+    blends = routing.Blends(TINY, experts)
     path = blends({"math": 0.52, "search": 0.49})
     assert blends({"math": 0.99, "search": 0.01}) == experts["math"] and blends({"math": 0.5, "search": 0.5}) == path
     base, _ = load_policy(TINY, "cpu")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mmopd
+from acl.step import pack, route_to_teachers, teacher_pass, teacher_scores, train_on
 from envs import make_env
 from envs.rollout import ReplayBackend, rollout
-from train_step import pack, route_to_teachers, teacher_pass, teacher_scores, train_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-base")
@@ -132,8 +132,8 @@ def tok():
 def micro(tok, path, seed):
     from transformers import Qwen3ForCausalLM
 
-    from common import save_checkpoint
-    from envs.tiny import model_config
+    from acl.common import save_checkpoint
+    from pretrain import model_config
     torch.manual_seed(seed)
     save_checkpoint(path, Qwen3ForCausalLM(model_config(tok, "micro", 2048)), tok, dict(method="base", stage="base"))
     return path
@@ -158,7 +158,7 @@ def episodes(tok):
 
 
 def test_each_domain_reaches_its_own_teacher_and_a_missing_one_fails(tok, models):
-    from common import load_policy
+    from acl.common import load_policy
     eps = episodes(tok)
     tm, _ = load_policy(models["t_math"], "cpu")
     ts, _ = load_policy(models["t_search"], "cpu")
@@ -174,7 +174,7 @@ def test_each_domain_reaches_its_own_teacher_and_a_missing_one_fails(tok, models
 
 
 def test_chunked_teacher_scoring_equals_the_one_piece_computation(tok, models):
-    from common import load_policy
+    from acl.common import load_policy
     tm, _ = load_policy(models["t_math"], "cpu")
     b = pack(episodes(tok), 0)
     whole = teacher_pass(tm, b, q=6, chunk_tokens=10**9)
@@ -192,7 +192,7 @@ def test_chunked_teacher_scoring_equals_the_one_piece_computation(tok, models):
 
 
 def test_a_failing_teacher_drops_its_episodes(tok, models):
-    from common import load_policy
+    from acl.common import load_policy
     eps = episodes(tok)
     bad, _ = load_policy(models["t_search"], "cpu")
     with torch.no_grad():
@@ -203,7 +203,7 @@ def test_a_failing_teacher_drops_its_episodes(tok, models):
 
 def test_masked_tokens_contribute_nothing_to_the_loss_or_the_gradient(tok, models):
     """Garbage teacher scores on the tool-result tokens (mask 0) leave the loss and every gradient unchanged."""
-    from common import load_policy
+    from acl.common import load_policy
     eps = [e for e in episodes(tok) if e.env == "search"]
     assert any(0 in e.loss_mask[e.prompt_len:] for e in eps)
     tm, _ = load_policy(models["t_search"], "cpu")
@@ -262,8 +262,9 @@ def test_a_tiny_run_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_same_w
                         env=ENV1)
     assert ev.returncode == 0 and os.listdir(tmp_path / "eval"), ev.stderr[-3000:]
     png = str(tmp_path / "kl.png")
-    r = run(["--plot", whole, "--plot-out", png])
-    assert r.returncode == 0 and os.path.getsize(png) > 1000, r.stderr[-2000:]
+    import report
+    report.main(["--mmopd-kl", whole, "--out", png])
+    assert os.path.getsize(png) > 1000
     # killed in its 3rd step (after the resume state of step 2), restarted with the same command
     killed = str(tmp_path / "killed")
     calls = {"n": 0}
@@ -309,8 +310,8 @@ def test_bad_input_stops_with_one_line_before_anything_is_written(models, tok, t
     refused(["--teachers", f"math={models['t_math']},search={models['t_search']},chess=x"], "unknown domain 'chess'")
     from transformers import Qwen3ForCausalLM
 
-    from common import save_checkpoint
-    from envs.tiny import model_config, train_tokenizer
+    from acl.common import save_checkpoint
+    from pretrain import model_config, train_tokenizer
     other_tok = train_tokenizer(["What is 1+1? \\boxed{2}"] * 20, vocab_size=300)
     other = str(tmp_path / "other")
     save_checkpoint(other, Qwen3ForCausalLM(model_config(other_tok, "micro", 256)), other_tok, dict(method="base"))
@@ -340,7 +341,7 @@ def test_torchrun_two_ranks_route_score_and_train(models, tmp_path):
 
 def test_dry_run_qwen3_8b_counts_the_four_teachers(capsys):
     a = mmopd.check_args(mmopd.get_args(["--preset", "qwen3-8b", "--dry-run", "--world-size", "8"]))
-    from scale import dry_run
+    from acl.scale import dry_run
     on = dry_run(a, a.arch, 8, a.micro_batch, a.max_tokens, teachers=4)
     off = dry_run(a, a.arch, 8, a.micro_batch, a.max_tokens, teachers=4, teacher_offload=True)
     key = "teachers (4, compute-dtype shards)"
@@ -353,7 +354,7 @@ def test_dry_run_qwen3_8b_counts_the_four_teachers(capsys):
 def test_a_teacher_that_fails_drops_and_counts_its_episodes_and_all_failing_stops_the_run(models, tok, tmp_path):
     """A teacher whose scores are not finite: its domain's episodes are dropped and counted (never scored by the
     student instead); when every teacher fails, the run stops before it trains or writes anything."""
-    from common import load_policy, save_checkpoint
+    from acl.common import load_policy, save_checkpoint
     m, _ = load_policy(models["t_search"], "cpu")
     with torch.no_grad():
         m.model.norm.weight.fill_(float("nan"))

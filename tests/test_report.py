@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import report
-from common import UsageError
+from envs.base import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOMAINS = ("math", "search")
@@ -260,7 +260,7 @@ def test_report_over_training_seeds(run):
     finding is checked in each seed, with the count of seeds where it holds."""
     import shutil
 
-    from evaluate import save_results
+    from acl.common import save_json as save_results
     seed1 = run.parent / (run.name + "-seed1")
     shutil.copytree(run / "eval", seed1 / "eval")
     for d, r in ((run, 0.6), (seed1, 0.4)):   # seed 1's math stage learned less

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
+from acl.engine import HFBackend
 from envs.base import Env, Task, function_schema, parse_tool_calls, tool_call_text, tool_message
-from envs.rollout import ChatML, Generation, HFBackend, rollout
+from envs.rollout import ChatML, Generation, rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -215,7 +216,7 @@ class TurnByTurn(Watched):
 
 
 def tiny_base(device="cpu"):
-    from common import load_policy
+    from acl.common import load_policy
     model, tok = load_policy(os.path.join(ROOT, "assets", "tiny-base"), device)
     return model.eval(), tok
 
@@ -337,7 +338,7 @@ def test_shared_prefix_attention_is_attention_over_prefix_and_own_tokens():
 
     import torch.nn.functional as F
 
-    from envs.rollout import shared_prefix_attention
+    from acl.engine import shared_prefix_attention
     torch.manual_seed(0)
     B, H, Hk, T, P, D = 3, 6, 2, 9, 5, 8
     module = types.SimpleNamespace(layer_idx=1)

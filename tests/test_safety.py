@@ -12,7 +12,7 @@ import torch
 import analyze
 import evaluate
 import merge
-from common import Parser, save_checkpoint
+from acl.common import Parser, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,11 +99,11 @@ def test_merge_bad_values(tree, capsys, bad, message):
     ("runs/base", "--overwrite"),
 ])
 def test_tiny_base_out_is_refused_before_the_build(tree, capsys, monkeypatch, out, message):
-    import envs.tiny
+    import pretrain
     before = snapshot(tree)
-    monkeypatch.setattr(sys, "argv", ["envs.tiny", "--out", out])
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "--out", out])
     t0 = time.time()
-    refused(envs.tiny.main, capsys, message)
+    refused(pretrain.main, capsys, message)
     assert time.time() - t0 < 5 and snapshot(tree) == before
 
 
@@ -112,10 +112,10 @@ def test_tiny_base_out_is_refused_before_the_build(tree, capsys, monkeypatch, ou
     (["--lr", "-1e-3"], "--lr > 0"),
 ])
 def test_tiny_base_bad_values_before_the_build(tree, capsys, monkeypatch, bad, message):
-    import envs.tiny
-    monkeypatch.setattr(sys, "argv", ["envs.tiny", "--out", "runs/new", *bad])
+    import pretrain
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "--out", "runs/new", *bad])
     t0 = time.time()
-    refused(envs.tiny.main, capsys, message)
+    refused(pretrain.main, capsys, message)
     assert time.time() - t0 < 5 and not (tree / "runs" / "new").exists()
 
 
@@ -144,7 +144,7 @@ def test_analyze_refuses_before_any_work(tree, capsys, bad, message):
 
 
 def test_analyze_domain_flag_wins_over_the_reference_metadata(tree):
-    from common import write_meta
+    from acl.common import write_meta
     write_meta(str(tree / "runs" / "s1"), {"method": "seq", "stage": "math"})
     a = analyze.parse_args(["--base", "runs/base", "--ckpts", "runs/s1", "runs/s2", "--ref", "runs/s1", "--domain", "if",
                             "--out", "runs/an"])
@@ -158,9 +158,9 @@ def test_analyze_domain_flag_wins_over_the_reference_metadata(tree):
     (["--batch", "0"], "--batch"), (["--max-tokens", "10", "--max-turn-tokens", "20"], "--max-turn-tokens"),
 ])
 def test_rollout_cli_bad_values(tree, capsys, monkeypatch, bad, message):
-    import envs.rollout
-    monkeypatch.setattr(sys, "argv", ["envs.rollout", "--ckpt", "runs/s1", *bad])
-    refused(envs.rollout.main, capsys, message)
+    import acl.engine
+    monkeypatch.setattr(sys, "argv", ["acl.engine", "--ckpt", "runs/s1", *bad])
+    refused(acl.engine.main, capsys, message)
 
 
 def test_a_negative_number_after_a_flag_is_its_value(capsys):
@@ -274,10 +274,10 @@ def test_check_install_names_what_does_not_work(monkeypatch, capsys):
     assert out.count("problem: ") == 2 and "install ok" not in out
     # GPUs torch cannot use (a CPU wheel, or a driver too old for its CUDA), and a package that is installed but does
     # not import (peft here): each a problem
-    import envs.rollout
+    import acl.scale
     monkeypatch.setattr(md, "version", real)
     monkeypatch.delitem(sys.modules, "vllm")
-    monkeypatch.setattr(envs.rollout, "nvidia_devices", lambda: ["nvidia0", "nvidia1"])
+    monkeypatch.setattr(acl.scale, "nvidia_devices", lambda: ["nvidia0", "nvidia1"])
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(SystemExit) as e:
         train_seq.main(["--check-install"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import train_seq
-from common import resolve_attn
-from scale import KNOWN_CONFIGS, dry_run, model_config, shard_rows
+from acl.common import resolve_attn
+from acl.scale import KNOWN_CONFIGS, dry_run, model_config, shard_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

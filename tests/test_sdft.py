@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
+import acl.step
 import sdft
-import train_step
+from acl.step import pack
 from envs import make_env
 from envs.rollout import ReplayBackend, rollout
-from train_step import pack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-base")
@@ -106,7 +106,7 @@ def test_near_dedup_removes_paraphrases_and_keeps_distinct_traces(tok):
 @pytest.fixture(scope="module")
 def pool(tok, tmp_path_factory):
     """A pool of the expert's episodes (3 train prompts per domain) written as sdft.py writes one."""
-    from common import tokenizer_hash
+    from acl.common import tokenizer_hash
     from envs.rollout import expert_episodes
     eps, records = {}, {}
     for d in ["math", "search", "ecommerce", "if"]:
@@ -163,9 +163,9 @@ def test_balanced_batches_hold_the_same_count_per_domain_and_other_mixes_and_ord
     # each domain is walked epoch by epoch: every episode once before any twice
     firsts = [i for b in plan[:5] for d, i in b if d == "ecommerce"][:4]
     assert sorted(firsts[:2]) == [0, 1] and sorted(firsts[2:]) == [0, 1]
-    q = train_step.mix_quota("proportional", {d: len(e) for d, e in pools.items()}, 11)
+    q = acl.step.mix_quota("proportional", {d: len(e) for d, e in pools.items()}, 11)
     assert q == dict(math=5, search=2, ecommerce=1, **{"if": 3})   # 5, 1.5, 1, 3.5: one remainder, to the first
-    assert train_step.mix_quota([1, 0, 0, 3], {d: 1 for d in pools}, 8) == dict(math=2, search=0, ecommerce=0, **{"if": 6})
+    assert acl.step.mix_quota([1, 0, 0, 3], {d: 1 for d in pools}, 8) == dict(math=2, search=0, ecommerce=0, **{"if": 6})
     staged = sdft.schedule(pools, "balanced", "staged", 4, 8, seed=0)
     assert [b[0][0] for b in staged] == ["math"] * 2 + ["search"] * 2 + ["ecommerce"] * 2 + ["if"] * 2
     assert all(len({d for d, _ in b}) == 1 for b in staged)
@@ -189,8 +189,8 @@ def student(tok, tmp_path_factory):
     """A micro Qwen3 with the tiny arena's tokenizer (so the pool's token ids are its own)."""
     from transformers import Qwen3ForCausalLM
 
-    from common import save_checkpoint
-    from envs.tiny import model_config
+    from acl.common import save_checkpoint
+    from pretrain import model_config
     torch.manual_seed(0)
     out = str(tmp_path_factory.mktemp("student") / "micro")
     save_checkpoint(out, Qwen3ForCausalLM(model_config(tok, "micro", 2048)), tok, dict(method="base", stage="base"))
@@ -292,8 +292,8 @@ def test_bad_input_stops_with_one_line_before_anything_is_written(pool, student,
     # a student whose tokenizer is not the oracles' (the conftest-style micro tokenizer)
     from transformers import Qwen3ForCausalLM
 
-    from common import save_checkpoint
-    from envs.tiny import model_config, train_tokenizer
+    from acl.common import save_checkpoint
+    from pretrain import model_config, train_tokenizer
     other_tok = train_tokenizer(["What is 1+1? \\boxed{2}"] * 20, vocab_size=300)
     other = str(tmp_path / "other")
     save_checkpoint(other, Qwen3ForCausalLM(model_config(other_tok, "micro", 256)), other_tok, dict(method="base"))

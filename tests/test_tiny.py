@@ -1,4 +1,4 @@
-"""envs/tiny.py end to end (micro size, seconds) and its bad-input handling."""
+"""pretrain.py end to end (micro size, seconds) and its bad-input handling."""
 import json
 import os
 import re
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "envs.tiny", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "pretrain.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
 
 
@@ -24,13 +24,14 @@ def test_build_base_end_to_end(tmp_path):
     assert "induction drill" not in r.stdout            # --drill-steps 0 turns the default drill off
     meta = json.loads((out / "acl_meta.json").read_text())
     assert meta["method"] == "base" and meta["step"] == 30 and meta["config"]["size"] == "micro"
-    from envs.tiny import DEFAULT_MIX
+    from pretrain import DEFAULT_MIX
     assert meta["config"]["mix"] == DEFAULT_MIX == {"ecommerce": 4.0} and meta["config"]["drill_steps"] == 0   # the default mix
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # nothing half-written left
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from acl.engine import HFBackend
     from envs import make_env
-    from envs.rollout import HFBackend, rollout
+    from envs.rollout import rollout
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     # digits are single tokens, the tool-call markers are single tokens
@@ -63,7 +64,7 @@ def test_mix_weights_the_groups_a_step_draws():
     """pretrain draws each step's group with weight --mix (1 for groups not named); no mix: uniform."""
     import types
 
-    from envs.tiny import pretrain
+    from pretrain import pretrain
 
     class Recorder(torch.nn.Module):  # a stand-in model that records which group each step trained on
         def __init__(self):
@@ -84,7 +85,7 @@ def test_mix_weights_the_groups_a_step_draws():
 
 
 def test_copy_rows_are_fresh_sequences_said_three_times():
-    from envs.tiny import copy_rows
+    from pretrain import copy_rows
     rows = copy_rows(list(range(10, 500)), 50, seed=0)
     assert len({tuple(ids) for _, ids, _ in rows}) == 50
     for group, ids, mask in rows:
@@ -117,7 +118,7 @@ def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
     """A drill round that ends at its cap is followed by a random restart: a fresh initialisation and fresh
     sequences (seed + 1000 r); the first round is exactly the one-round drill the committed base was built with (the
     same model, sequences and seed), and a round that forms copying ends the drill."""
-    import envs.tiny as tiny
+    import pretrain as tiny
     calls, models = [], []
 
     def fake_pretrain(model, rows, steps, batch_tokens, lr, seed, stop_below=None, name="", **kw):
@@ -131,7 +132,7 @@ def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
     real_copy_rows, drills = tiny.copy_rows, []
     monkeypatch.setattr(tiny, "copy_rows", lambda pool, n, seed: drills.append((pool, n, seed)) or real_copy_rows(pool, n, seed))
     monkeypatch.setattr(tiny, "pretrain", fake_pretrain)
-    import common
+    from acl import common
     monkeypatch.setattr(common, "save_checkpoint", lambda out, model, tok, meta: calls.append(("meta", meta)))
     tiny.build_base(str(tmp_path / "b"), steps=2, seed=5, size="micro", n_demos=5, vocab_size=400, threads=1,
                     drill_steps=20)
@@ -152,7 +153,7 @@ def test_a_drill_round_that_gives_up_is_the_same_computation_until_then():
     exactly those of the round that runs on (a round that forms copying before DRILL_PATIENCE is unchanged)."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    import envs.tiny as tiny
+    import pretrain as tiny
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-base"))
     rows = tiny.copy_rows(list(range(10, len(tok))), 200, 0)
     runs = []
@@ -189,7 +190,7 @@ def test_progress_every_five_percent_with_eta(capsys, monkeypatch):
     and an ETA at the rate so far; printing draws no random numbers (the same losses with any log_every)."""
     import types
 
-    import envs.tiny as tiny
+    import pretrain as tiny
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -218,7 +219,7 @@ def test_tiny_token_limits_fit_every_by_the_book_episode():
     demonstrations must fit the tiny limits with room to spare."""
     from envs import DOMAINS, make_env
     from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS
-    from envs.tiny import build_corpus, corpus_tokenizer
+    from pretrain import build_corpus, corpus_tokenizer
     tok = corpus_tokenizer(*build_corpus(60, 0.0, 0), 1024)
     for d in DOMAINS:
         for x in make_env(d).demos(60, seed=3, noise=0.0):
@@ -233,20 +234,20 @@ def test_the_committed_reference_base_is_current():
     """assets/tiny-base, the reference base arena.sh starts from, was built by the code here: its recorded
     fingerprint (envs.tiny.build_fingerprint: the corpus, the settings and the building code) is today's.
     When this fails, the code that builds the base has changed: rebuild it with
-        python -m envs.tiny --out assets/tiny-base --overwrite
+        python pretrain.py --out assets/tiny-base --overwrite
     and redo the README's tiny tables from the new base."""
-    from common import read_meta
-    from envs.tiny import build_corpus, build_fingerprint
+    from acl.common import read_meta
+    from pretrain import build_corpus, build_fingerprint
     meta = read_meta(os.path.join(ROOT, "assets", "tiny-base"))
     assert meta.get("method") == "base" and meta.get("fingerprint"), "assets/tiny-base is missing or has no fingerprint"
     cfg = meta["config"]
     chats, generic = build_corpus(cfg["n_demos"], cfg["noise"], meta["seed"], cfg["domains"] or None)
     assert build_fingerprint(chats, generic, dict(cfg, seed=meta["seed"])) == meta["fingerprint"], \
-        "assets/tiny-base is stale: python -m envs.tiny --out assets/tiny-base --overwrite"
+        "assets/tiny-base is stale: python pretrain.py --out assets/tiny-base --overwrite"
 
 
 def test_the_fingerprint_sees_the_corpus_the_settings_and_the_code(monkeypatch):
-    import envs.tiny as tiny
+    import pretrain as tiny
     chats, generic = tiny.build_corpus(5, 0.5, 0, ["math"])
     cfg = dict(steps=3000, seed=0)
     ref = tiny.build_fingerprint(chats, generic, cfg)

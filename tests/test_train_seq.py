@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
+import acl.step
 import train_seq
-import train_step
 from envs.base import UsageError, well_formed
 from envs.rollout import Episode
 
@@ -85,7 +85,7 @@ def test_micro_batches_do_not_change_the_update(agg):
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(cfg)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        loss, _ = train_step.train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, ns()), micro_batch=mb,
+        loss, _ = acl.step.train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, ns()), micro_batch=mb,
                                       micro_tokens=tokens, agg=agg, grad_clip=1e9, extras=dict(adv=adv))
         out.append((loss, {k: v.clone() for k, v in model.state_dict().items()}))
     for loss, sd in out[1:]:
@@ -103,14 +103,14 @@ def test_micro_batches_respect_the_sequence_and_token_budgets():
         return Episode(task_id="t", env="math", split="train", sample=0, token_ids=list(range(prompt + n)),
                        loss_mask=[0] * prompt + [1] * n, logprobs=[0.0] * (prompt + n), prompt_len=prompt)
     eps = [ep(10, 50) for _ in range(20)] + [ep(12, 700)] + [ep(10, 40 + i) for i in range(20)]
-    micro = train_step.micro_batches(eps, 16, 2048)
+    micro = acl.step.micro_batches(eps, 16, 2048)
     assert sorted(i for m in micro for i in m) == list(range(len(eps)))
     for m in micro:
         assert len(m) <= 16
         cost = len(m) * (max(eps[i].prompt_len for i in m) + max(len(eps[i].token_ids) - eps[i].prompt_len for i in m))
         assert cost <= 2048 or len(m) == 1
     assert [20] in micro                                 # the 712-token episode: a pass of its own
-    assert len(train_step.micro_batches(eps, 16)) == 3    # no token budget: only the count splits (41 -> 16 + 16 + 9)
+    assert len(acl.step.micro_batches(eps, 16)) == 3    # no token budget: only the count splits (41 -> 16 + 16 + 9)
 
 
 def test_fsdp2_two_cpu_ranks_match_one_process(tmp_path):
@@ -129,8 +129,8 @@ def micro_base(tmp_path_factory):
     """A micro checkpoint saved like the tiny base (tokenizer with the chat template + acl_meta.json)."""
     from transformers import Qwen3ForCausalLM
 
-    from common import save_checkpoint
-    from envs.tiny import model_config, train_tokenizer
+    from acl.common import save_checkpoint
+    from pretrain import model_config, train_tokenizer
     texts = ["What is 12+7? \\boxed{19}", "<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"x\"}}</tool_call>",
              "Tomas Velder was born in Brimsk. <answer>Brimsk</answer>"] * 20
     tok = train_tokenizer(texts, vocab_size=400)
@@ -330,7 +330,7 @@ def test_divergence_stops_saves_nothing_nonfinite_and_is_not_continued(micro_bas
     """A huge learning rate (the micro base earns no reward, so every sample gets a made-up advantage of +-1); the
     finite blow-up guard is lifted so that the weights go non-finite after a resume state was saved."""
     from safetensors.torch import load_file
-    monkeypatch.setattr(train_step, "MAX_WEIGHT_CHANGE", float("inf"))
+    monkeypatch.setattr(acl.step, "MAX_WEIGHT_CHANGE", float("inf"))
     runs = str(tmp_path / "runs")
     args = ["--init", micro_base, "--runs", runs, "--curriculum", "math", *FAST, "--steps", "4", "--lr", "1e30"]
     monkeypatch.setattr(train_seq, "group_advantages",
@@ -452,7 +452,7 @@ def test_weight_push_copies_every_parameter(micro):
     """push_weights: the engine's model ends up equal to the policy (here, two separate micro models)."""
     import copy
 
-    from envs.rollout import HFBackend, push_weights
+    from acl.engine import HFBackend, push_weights
     policy, tok = micro
     engine = copy.deepcopy(policy)
     with torch.no_grad():
@@ -480,10 +480,10 @@ def test_prompt_shared_logprobs_equal_full_sequence_teacher_forcing():
                                                + eps[i].token_ids[eps[i].prompt_len:]), eps[i - 1].prompt_len
         eps[i].loss_mask = [0] * eps[i].prompt_len + [1] * (len(eps[i].token_ids) - eps[i].prompt_len)
         eps[i].logprobs = [0.0] * len(eps[i].token_ids)
-    b = train_step.pack(eps, 0)
+    b = acl.step.pack(eps, 0)
     assert b["p_ids"].size(0) == len(eps) // 2                     # one prompt row per group
     with torch.no_grad():
-        lp = train_step.token_logprobs(model, b)
+        lp = acl.step.token_logprobs(model, b)
         for j, e in enumerate(eps):
             ids = torch.tensor([e.token_ids])
             ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -501,7 +501,7 @@ def test_rft_keeps_only_well_formed_tool_use():
 
 def test_selected_logprobs_chunked_equals_one_piece():
     """The chunked, checkpointed log-prob equals the one-piece cross-entropy, values and gradients."""
-    from train_step import selected_logprobs
+    from acl.step import selected_logprobs
     torch.manual_seed(0)
     x = torch.randn(3, 50, 97, requires_grad=True)
     y = torch.randint(0, 97, (3, 50))
@@ -522,18 +522,18 @@ def test_token_logprobs_same_with_activation_checkpointing(micro):
     only) gives the shared-prompt path's log-probs and gradients."""
     import copy
 
-    from common import checkpoint_activations, checkpoints_activations
+    from acl.common import checkpoint_activations, checkpoints_activations
     model, tok = micro
     eps = [Episode("a", "math", "train", k, [5, 6, 7, 8] + c, [0] * 4 + [1] * len(c), [0.0] * (4 + len(c)), 4)
            for k, c in enumerate([[9, 10, 11], [12, 13], [14, 15, 16, 17]])]
     eps.append(Episode("b", "math", "train", 0, [20, 21] + [22, 23], [0, 0, 1, 1], [0.0] * 4, 2))
-    b = train_step.pack(eps, tok.pad_token_id)
+    b = acl.step.pack(eps, tok.pad_token_id)
     plain, ckpt = copy.deepcopy(model).train(), copy.deepcopy(model).train()
     checkpoint_activations(ckpt)
     assert checkpoints_activations(ckpt) and not checkpoints_activations(plain)
     out = {}
     for name, m in (("plain", plain), ("ckpt", ckpt)):
-        lp = train_step.token_logprobs(m, b, temperature=0.8)
+        lp = acl.step.token_logprobs(m, b, temperature=0.8)
         (lp * b["mask"]).sum().backward()
         out[name] = (lp.detach() * b["mask"], [p.grad.clone() for p in m.parameters()])
     assert torch.allclose(out["plain"][0], out["ckpt"][0], atol=1e-5)

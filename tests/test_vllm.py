@@ -11,9 +11,11 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vllm is not installed here: bash tests/setup_vllm_cpu.sh, then run "
                                           "this file with .venv-vllm/bin/python -m pytest")
 
-from common import full_params  # noqa: E402
+from acl.common import full_params  # noqa: E402
+from acl.engine import HFBackend  # noqa: E402
+from acl.vllm import VLLMBackend  # noqa: E402
 from envs import make_env  # noqa: E402
-from envs.rollout import ChatML, HFBackend, VLLMBackend, rollout  # noqa: E402
+from envs.rollout import ChatML, rollout  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def test_sampling_is_reproducible_with_the_rollout_seed(engine, sharp):
 
 def sampled_vs_trainer(engine, model, tok, seed):
     """Max |sampler log-prob - trainer log-prob| over the sampled tokens of a temperature-1 batch."""
-    from train_step import pack, token_logprobs
+    from acl.step import pack, token_logprobs
     eps = rollout(engine, tok, items(4), n_samples=2, temperature=1.0, max_tokens=200, max_turn_tokens=32, seed=seed)
     with torch.no_grad():
         lp = token_logprobs(model, pack(eps, tok.pad_token_id))
@@ -160,12 +162,12 @@ def test_evaluate_routes_an_mle_directory_through_lora_requests(micro_dir, engin
     import shutil
 
     import evaluate
-    import mle
+    from acl import routing
     d = tmp_path / "runs" / "mle"
     for domain, a in zip(("math", "search"), adapters):
         shutil.copytree(a, d / "experts" / domain)
     with open(d / "acl_meta.json", "w") as f:
-        json.dump(dict(method="mle", format=mle.FORMAT, backbone=micro_dir, domains=["math", "search"]), f)
+        json.dump(dict(method="mle", format=routing.FORMAT, backbone=micro_dir, domains=["math", "search"]), f)
     kw = dict(domains=["math", "search"], splits=("test",), n=3, temperature=0.0, gold=False, max_tokens=256,
               max_turn_tokens=64)
     eps = {"vllm": {}, "hf": {}, "plain": {}}

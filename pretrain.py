@@ -2,9 +2,9 @@
 Qwen3-architecture model of about a million parameters, and its pre-training on generic text plus
 noisy demonstrations from every domain, so the base is weak but not zero everywhere and RL has signal.
 
-    python -m envs.tiny                                  # -> runs/tiny/base, ~12.5 min on 2 CPU cores
-    python -m envs.tiny --out runs/tiny/base --steps 3000 --seed 0 --drill-steps 3000 --mix ecommerce=4   # the same
-    python -m envs.tiny --out runs/tiny/base-nodrill --drill-steps 0     # no induction drill: search at 0% EM
+    python pretrain.py                                  # -> runs/tiny/base, ~12.5 min on 2 CPU cores
+    python pretrain.py --out runs/tiny/base --steps 3000 --seed 0 --drill-steps 3000 --mix ecommerce=4   # the same
+    python pretrain.py --out runs/tiny/base-nodrill --drill-steps 0     # no induction drill: search at 0% EM
 
 It prints its progress on stdout: a line per domain of the corpus, the tokenizer, the encoding at every
 quarter, then the drill and the pre-training every 5% of their steps (step/steps, loss, lr, elapsed and
@@ -295,7 +295,7 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     """Build the tokenizer, the model and pre-train it; save a HF checkpoint at `out`. Returns out."""
     from transformers import Qwen3ForCausalLM
 
-    from common import save_checkpoint, seed_all
+    from acl.common import save_checkpoint, seed_all
     if threads:
         torch.set_num_threads(threads)
     mix = DEFAULT_MIX if mix is None else mix
@@ -356,7 +356,7 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
 
 
 def main():
-    from common import Parser, check_output, usage_exit
+    from acl.common import Parser, check_output, usage_exit
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write (a new one, or a base "
                                                           "this project built, with --overwrite)")
@@ -385,7 +385,8 @@ def main():
     p.add_argument("--loss-on", default="all", choices=["all", "assistant"],
                    help="pre-training loss on every token of a conversation, or on assistant tokens only")
     a = p.parse_args()
-    from envs import DOMAINS, UsageError, parse_domains
+    from envs import DOMAINS, parse_domains
+    from envs.base import UsageError
     try:
         domains = parse_domains(a.domains)
         if a.steps < 1 or a.n_demos < 1 or not 0 <= a.noise <= 1 or a.lr <= 0 or a.vocab_size < 300:

@@ -4,7 +4,7 @@ A method brings its own per-token loss (GRPO's clipped surrogate in train_seq.py
 log-likelihood below, a distillation loss); this file turns episodes into tensors, computes the policy's
 teacher-forced log-probs, aggregates the loss over the *global* batch and takes one FSDP-safe optimizer step:
 
-    from train_step import sft_loss, train_on
+    from acl.step import sft_loss, train_on
     loss, stats = train_on(model, opt, episodes, sft_loss, micro_batch=8, agg="token", grad_clip=1.0)
 
 A loss function is   loss_fn(logp, b, x) -> (per-token loss (B, T), {name: per-token statistic (B, T)})
@@ -30,8 +30,7 @@ import time
 
 import torch
 
-from common import (
-    UsageError,
+from acl.common import (
     all_reduce_max,
     all_reduce_sum,
     check_wandb,
@@ -41,9 +40,10 @@ from common import (
     rank,
     world_size,
 )
+from acl.engine import cache_kwarg
 from envs import per_domain
-from envs.base import well_formed
-from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, cache_kwarg
+from envs.base import UsageError, well_formed
+from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, ServiceError
 
 # ----------------------------------------------------------------------------- the shared flags
 # The scale half of every script's presets: how big a pass is and what runs it. Tiny fits a 2-core CPU (the
@@ -581,3 +581,14 @@ class Cursor:
             out.append(self._order[i])
             self.pos += 1
         return out
+
+
+def check_user_errors(episodes, max_fraction: float, where: str):
+    """ServiceError when more than max_fraction of the batch's e-commerce episodes (every rank's: call it on all
+    ranks at once) ended in a user-model error (metrics["user_error"]); episodes of other domains do not count."""
+    eco = [e for e in episodes if "user_error" in e.metrics]
+    n = all_reduce_sum(float(len(eco)))
+    bad = all_reduce_sum(float(sum(e.metrics["user_error"] >= 1 for e in eco)))
+    if n and bad / n > max_fraction:
+        raise ServiceError(f"{where}: {int(bad)} of {int(n)} e-commerce episodes ended in a user-model error (more than "
+                           f"--max-user-errors {max_fraction:g}): the user model at --user-url is failing")
