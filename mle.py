@@ -74,8 +74,7 @@ from acl.step import SAVE_DTYPES, add_scale_flags, add_step_flags, check_shared_
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
 from envs.base import UsageError
 from envs.rollout import ServiceError
-from train_seq import add_grpo_flags, check_grpo_flags, grpo, stage_args
-from train_seq import recipe as grpo_recipe
+from train_seq import add_grpo_flags, check_grpo_flags, grpo, grpo_recipe, stage_args
 
 PRESETS = {   # arch: the backbone's architecture for --dry-run before the SDFT backbone exists
     "tiny": dict(arch="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
@@ -179,7 +178,7 @@ def push_lora_dir(backend, policy, path: str):
 def recipe(a, domain: str) -> dict:
     """What a finished expert (and its resume state) must match: train_seq's GRPO recipe for the domain from the
     backbone, and the adapter's shape."""
-    return dict(grpo_recipe(a, domain), method="mle", lora=dict(rank=a.lora_rank, alpha=a.lora_alpha,
+    return dict(grpo_recipe(a, domain, a.backbone), init=os.path.abspath(a.backbone), method="mle", lora=dict(rank=a.lora_rank, alpha=a.lora_alpha,
                                                                 dropout=a.lora_dropout, targets=a.lora_targets))
 
 
@@ -330,11 +329,6 @@ def check_args(a):
     a.backbone = a.backbone or os.path.join(a.runs, "sdft")
     a.out = a.out or os.path.join(a.runs, "mle")
     a.export_out = a.export_out or a.out.rstrip(os.sep) + "-merged"
-    # train_seq's recipe() reads these: each expert is one stage from the backbone, with no cold start
-    a.init, a.oracle, a.curriculum, a.rft_prompts_by_domain, a.cold_start, a.expert_data = \
-        a.backbone, True, a.domains, {}, None, None
-    for k in ("rft_samples", "rft_epochs", "rft_lr"):
-        setattr(a, k, None)
     if a.dry_run:
         return a
     if not is_checkpoint(a.backbone):

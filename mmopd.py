@@ -22,7 +22,7 @@ Each step:
      replies; the reward is logged, not used);
   2. routing: each episode goes to its domain's teacher (--teachers seq: the sequential stage that learned the domain,
      the paper's; oracle: the single-task oracles, the released scripts'; or domain=DIR,...), which scores it in one
-     teacher-forced pass (acl.step.route_to_teachers): at each agent position the log-prob of the sampled token,
+     teacher-forced pass (route_to_teachers, below): at each agent position the log-prob of the sampled token,
      the exact entropy over the whole vocabulary and the top-q tokens with their log-probs; an episode whose scores
      are not finite is dropped and counted;
   3. one update with the loss written out in mmopd_loss (tool results and user tokens are masked out of it);
@@ -82,7 +82,7 @@ from acl.step import (
     clipped_surrogate,
     mix_quota,
     parse_mix,
-    route_to_teachers,
+    teacher_scores,
     train_on,
 )
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
@@ -141,6 +141,21 @@ def mmopd_loss(logp, b, x, a, beta_f: float):
         on = (x["dom"] == k).float()
         stats.update({f"{name}@{d}": v * on for name, v in per.items()})
     return loss, stats
+
+
+def route_to_teachers(teachers: dict, episodes, **kw) -> list:
+    """Each episode scored by the teacher of its own domain (teachers: {domain: model}; episode.env), never by
+    another and never averaged: teacher_scores' dicts in `episodes` order (None: dropped). Every rank visits the
+    teachers in the same order. KeyError for an episode whose domain has no teacher (callers check before)."""
+    out = [None] * len(episodes)
+    missing = {e.env for e in episodes} - set(teachers)
+    if missing:
+        raise KeyError(f"no teacher for {', '.join(sorted(missing))}")
+    for d in sorted(teachers):
+        idx = [i for i, e in enumerate(episodes) if e.env == d]
+        for i, s in zip(idx, teacher_scores(teachers[d], [episodes[i] for i in idx], **kw)):
+            out[i] = s
+    return out
 
 
 def fkl_coef_at(a, step: int) -> float:

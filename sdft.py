@@ -21,7 +21,7 @@ once instead of one after another.
 3. The kept pool is written to runs/<preset>/sdft-pool/<domain>.jsonl (an episode per line: chat messages with
    the tools, token ids, loss mask, the prompt's oracle pass rate) and pool.json (the funnel, the oracles, the
    tokenizer); --pool reads it back without re-sampling (mle.py's backbone, train_seq.py --expert-data).
-4. Train the student (--student; default the base, as the released code) with the SFT loss written below,
+4. Train the student (--student; default the base, as the released code) with sdft_loss (near the top),
    batches drawn by --mix (balanced: the same count per domain in every batch) in --order (interleaved, staged,
    graded), lr warmed up then cosine-decayed to 10% -> runs/<preset>/sdft. Resumable: a killed run restarted
    with the same command reuses the pool and continues from its last saved step (--save-every).
@@ -92,7 +92,6 @@ from acl.step import (
     check_user_errors,
     mix_quota,
     parse_mix,
-    sft_loss,
     train_on,
 )
 from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain, require_real_data
@@ -108,6 +107,16 @@ PRESETS = {
 FILTERS = ("correct", "tools", "compliant", "distinct")
 POOL_FORMAT = "aclarena-sdft-pool/1"
 NGRAM = 3
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def sdft_loss(logp, b, x):
+    """The SDFT loss, per token (B, T): the negative log-likelihood of the oracles' own tokens. train_on masks it to
+    the agent's turns (each episode's loss mask: prompt, tool and user tokens are 0) and averages it:
+        L = - sum_{episodes e} sum_{t: mask_e,t = 1} log pi(y_e,t | y_e,<t) / (number of such tokens)
+    with --agg token; with --agg seq each episode's mean, averaged over the batch's episodes."""
+    return -logp, {}
 
 
 # ----------------------------------------------------------------------------- 1-2. collect and filter
@@ -496,11 +505,7 @@ def main(argv=None):
                 g["lr"] = lr_at(a, step, steps)
             batch = [pools[d][i] for d, i in plan[step]][rank()::world_size()]
             ts = time.time()
-            # The SDFT loss (acl.step.sft_loss, applied by train_on): the negative log-likelihood of the oracle's
-            # own tokens, the agent's turns only (each episode's loss mask; prompt, tool and user tokens are 0):
-            #   L = - sum_{episodes e} sum_{t: mask_e,t = 1} log pi(y_e,t | y_e,<t) / (number of such tokens)
-            # with --agg token; with --agg seq each episode's mean, averaged over the batch's episodes.
-            loss, stats = train_on(policy, opt, batch, sft_loss, micro_batch=a.micro_batch, micro_tokens=a.micro_tokens,
+            loss, stats = train_on(policy, opt, batch, sdft_loss, micro_batch=a.micro_batch, micro_tokens=a.micro_tokens,
                                    agg=a.agg, grad_clip=a.grad_clip)
             dt = time.time() - ts
             n_tok = all_reduce_sum(float(sum(len(e.token_ids) for e in batch)))

@@ -83,12 +83,11 @@ from acl.step import (
     check_user_errors,
     clipped_surrogate,
     episode_logprobs,
-    keep_successes,
     sft_epochs,
     train_on,
 )
 from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
-from envs.base import UsageError
+from envs.base import UsageError, well_formed
 from envs.rollout import ServiceError, expert_episodes, saved_episodes
 from evaluate import evaluate_inrun, inrun_path
 
@@ -167,27 +166,32 @@ def stage_dir(a, i: int, domain: str) -> str:
     return os.path.join(a.runs, "oracle", domain) if a.oracle else os.path.join(a.runs, "seq", f"{i}-{domain}")
 
 
-def recipe(a, domain: str) -> dict:
-    """The settings a finished stage (and a resume state) must match to be used on a rerun: the recipe, and the
-    stage's lineage: the starting checkpoint and the stages trained before it (an oracle has none)."""
+def grpo_recipe(a, domain: str, parent: str) -> dict:
+    """The settings a GRPO stage of `domain` from checkpoint `parent` must match to be reused (mle.py's experts too):
+    the loop's settings, the stage's own per-domain values, and the parent's and the data's identity (one replaced
+    in place is another parent: common.identity)."""
     keys = ("minibatches", "clip_low", "clip_high", "agg", "tis_cap", "grad_clip", "dynamic_sampling",
-            "max_gen_rounds", "temperature", "rft_samples", "rft_epochs", "rft_lr", "seed")
-    init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
-    before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
-    parent = stage_dir(a, len(before), before[-1]) if before else a.init   # by identity: one replaced in place is
-                                                                          # another parent (common.identity)
-    agentic = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
+            "max_gen_rounds", "temperature", "seed")
     return dict({k: getattr(a, k) for k in keys}, group=a.group_by_domain[domain], max_tokens=a.max_tokens_by_domain[
                     domain], max_turn_tokens=a.max_turn_tokens_by_domain[domain], steps=a.steps_by_domain[domain],
                 prompts=a.prompts_by_domain[domain],
                 lr=a.lr_by_domain[domain], kl_coef=a.kl_by_domain[domain],
-                loss=per_domain("--loss", a.loss, [domain], str)[domain],
-                rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
-                expert_data=os.path.abspath(a.expert_data) if agentic and a.expert_data else None, init=init,
-                trained_after=before, parent_id=identity(parent),
-                expert_data_id=identity(a.expert_data) if agentic and a.expert_data else None,
+                loss=per_domain("--loss", a.loss, [domain], str)[domain], parent_id=identity(parent),
                 data={k: identity(v) for k, v in getattr(a, "env_opts", {}).get(domain, {}).items()
                       if k in ("data", "corpus")})
+
+
+def recipe(a, domain: str) -> dict:
+    """What a finished stage (and a resume state) must match on a rerun: its GRPO recipe, its cold start, and the
+    stage's lineage: the starting checkpoint and the stages trained before it (an oracle has none)."""
+    init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
+    before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
+    parent = stage_dir(a, len(before), before[-1]) if before else a.init
+    agentic = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
+    return dict(grpo_recipe(a, domain, parent), rft_samples=a.rft_samples, rft_epochs=a.rft_epochs, rft_lr=a.rft_lr,
+                rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
+                expert_data=os.path.abspath(a.expert_data) if agentic and a.expert_data else None, init=init,
+                trained_after=before, expert_data_id=identity(a.expert_data) if agentic and a.expert_data else None)
 
 
 def stage_args(a, domain: str):
@@ -213,6 +217,18 @@ def rollouts(backend, tok, env, tasks, n, a, seed, adapter=None):
                   max_turn_tokens=a.max_turn_tokens, seed=seed, adapters=[adapter] * len(tasks) if adapter else None)
     check_user_errors(eps, a.max_user_errors, f"{env.domain} rollouts")   # a failing user: stop, never train on 0s
     return eps
+
+
+def keep_successes(episodes) -> list:
+    """The success filter: full reward, every tool call well-formed, and distinct (same task, same sampled
+    tokens: one copy)."""
+    seen, kept = set(), []
+    for e in episodes:
+        key = (e.task_id, tuple(t for t, m in zip(e.token_ids, e.loss_mask) if m))
+        if e.reward >= 1.0 and well_formed(e.messages) and key not in seen:
+            seen.add(key)
+            kept.append(e)
+    return kept
 
 
 def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name, out=None):

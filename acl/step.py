@@ -17,8 +17,9 @@ A loss function is   loss_fn(logp, b, x) -> (per-token loss (B, T), {name: per-t
 train_on masks the loss to the sampled tokens, and reports each statistic as its mean over the global batch's
 sampled tokens (GRPO's clip fraction is one).
 
-Distillation: route_to_teachers scores each episode with the frozen teacher of its domain (teacher_scores: the
-sampled token's log-prob, the exact full-vocabulary entropy and the top-q tokens, one chunk of logits at a time).
+Distillation: teacher_scores scores episodes with a frozen teacher (the sampled token's log-prob, the exact
+full-vocabulary entropy and the top-q tokens, one chunk of logits at a time); mmopd.py routes each episode to the
+teacher of its domain.
 
 A script gets the same flags and per-preset defaults as every other by calling add_scale_flags and add_step_flags.
 """
@@ -42,7 +43,7 @@ from acl.common import (
 )
 from acl.engine import cache_kwarg
 from envs import per_domain
-from envs.base import UsageError, well_formed
+from envs.base import UsageError
 from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, ServiceError
 
 # ----------------------------------------------------------------------------- the shared flags
@@ -356,21 +357,6 @@ def teacher_scores(model, episodes, *, micro_batch: int, q: int, temperature: fl
     return [s if all(torch.isfinite(v).all() for k, v in s.items() if k != "top_ids") else None for s in out]
 
 
-def route_to_teachers(teachers: dict, episodes, **kw) -> list:
-    """Each episode scored by the teacher of its own domain (teachers: {domain: model}; episode.env), never by
-    another and never averaged: teacher_scores' dicts in `episodes` order (None: dropped). Every rank visits the
-    teachers in the same order. KeyError for an episode whose domain has no teacher (callers check before)."""
-    out = [None] * len(episodes)
-    missing = {e.env for e in episodes} - set(teachers)
-    if missing:
-        raise KeyError(f"no teacher for {', '.join(sorted(missing))}")
-    for d in sorted(teachers):
-        idx = [i for i, e in enumerate(episodes) if e.env == d]
-        for i, s in zip(idx, teacher_scores(teachers[d], [episodes[i] for i in idx], **kw)):
-            out[i] = s
-    return out
-
-
 def cut_extras(extras: dict, idx: list, T: int, dev) -> dict:
     """The extras of episodes `idx`: floats -> (b, 1); per-token tensors -> (b, T, ...), zero-padded."""
     out = {}
@@ -498,18 +484,6 @@ def check_finite(model, when: str):
 def sft_loss(logp, b, x):
     """Negative log-likelihood of the policy's tokens (RFT's cold start, SDFT)."""
     return -logp, {}
-
-
-def keep_successes(episodes) -> list:
-    """The success filter: full reward, every tool call well-formed, and distinct (same task, same sampled
-    tokens: one copy)."""
-    seen, kept = set(), []
-    for e in episodes:
-        key = (e.task_id, tuple(t for t, m in zip(e.token_ids, e.loss_mask) if m))
-        if e.reward >= 1.0 and well_formed(e.messages) and key not in seen:
-            seen.add(key)
-            kept.append(e)
-    return kept
 
 
 def sft_epochs(model, opt, episodes, *, epochs: int, batch: int, micro_batch: int, grad_clip: float, seed: int,

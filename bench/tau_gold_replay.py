@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from acl.common import usage_exit  # noqa: E402
 from envs.base import UsageError  # noqa: E402
-from envs.ecommerce import EcommerceEnv, run_tool, sync  # noqa: E402
+from envs.ecommerce import EcommerceEnv  # noqa: E402
+from envs.tau_store import run_tool, sync  # noqa: E402
 
 
 def gold_check(data_dir: str, split: str) -> tuple:

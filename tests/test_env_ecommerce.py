@@ -10,15 +10,8 @@ from hypothesis import strategies as st
 
 from envs import make_env
 from envs.base import UsageError, parse_tool_calls, tool_call_text
-from envs.ecommerce import (
-    SCHEMAS,
-    TOOLS,
-    EcommerceEnv,
-    db_hash,
-    expert_turns,
-    play,
-    run_tool,
-)
+from envs.ecommerce import EcommerceEnv, expert_turns, play
+from envs.tau_store import SCHEMAS, TOOLS, db_hash, run_tool
 
 ENV = EcommerceEnv()
 TEST = ENV.tasks("test", n=60)
@@ -232,10 +225,11 @@ def test_turns_cli_end_to_end_on_a_micro_checkpoint(tmp_path):
 
 
 def test_environment_file_loads_no_model():
-    """The probe lives in bench/: the environment file imports neither the rollout loop nor a model library."""
-    src = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "envs", "ecommerce.py")).read()
-    for name in ("envs.rollout", "import torch", "transformers", "__main__"):
-        assert name not in src, name
+    """The probe lives in bench/: the environment's files import neither the rollout loop nor a model library."""
+    for f in ("ecommerce.py", "tau_store.py", "tau_telecom.py"):
+        src = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "envs", f)).read()
+        for name in ("envs.rollout", "import torch", "transformers", "__main__"):
+            assert name not in src, (f, name)
 
 
 def test_write_without_confirmation_is_refused():
@@ -727,8 +721,9 @@ def test_v1_task_files_are_read_as_data_never_run(tmp_path):
 
 
 def test_no_eval_or_exec_in_the_environment():
-    src = open(os.path.join(os.path.dirname(__file__), "..", "envs", "ecommerce.py")).read()
-    assert "eval(" not in src and "exec(" not in src and "import_module" not in src
+    for f in ("ecommerce.py", "tau_store.py", "tau_telecom.py"):
+        src = open(os.path.join(os.path.dirname(__file__), "..", "envs", f)).read()
+        assert "eval(" not in src and "exec(" not in src and "import_module" not in src, f
 
 
 def test_the_user_key_goes_only_where_it_is_named(tmp_path, fake_user, monkeypatch, capsys):

@@ -10,7 +10,8 @@ from test_env_ecommerce import FakeUser, _play
 
 from envs import tau_telecom as tel
 from envs.base import UsageError, tool_call_text
-from envs.ecommerce import ASSERTIONS, SCHEMAS, EcommerceEnv, run_tool
+from envs.ecommerce import EcommerceEnv
+from envs.tau_store import ASSERTIONS, SCHEMAS, run_tool
 
 DB_TOML = """
 [[plans]]

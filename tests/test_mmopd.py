@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import mmopd
-from acl.step import pack, route_to_teachers, teacher_pass, teacher_scores, train_on
+from acl.step import pack, teacher_pass, teacher_scores, train_on
 from envs import make_env
 from envs.rollout import ReplayBackend, rollout
+from mmopd import route_to_teachers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny-base")

@@ -37,7 +37,7 @@ def replay(tok, env, task, texts, reward=None, truncated=None):
 
 def write_task(env):
     """A tiny e-commerce task whose last action is a write (so confirming matters)."""
-    from envs.ecommerce import WRITES
+    from envs.tau_store import WRITES
     return next(t for t in env.tasks("train", n=50) if t.gold["actions"][-1]["name"] in WRITES)
 
 
