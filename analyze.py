@@ -48,6 +48,7 @@ from acl.common import (
     Parser,
     check_writable,
     is_checkpoint,
+    pyplot,
     read_header,
     read_meta,
     read_tensor,
@@ -346,9 +347,7 @@ def kl_moves(ckpts: list, base: str, a) -> list:
 def plot_pca(coords, labels, explained, moving, path):
     """The checkpoints that moved off the base (a zero displacement has no direction), the sequential
     stages joined in curriculum order."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 5.5))
     seq = [i for i, lab in enumerate(labels) if lab.startswith("seq-") and not lab.endswith("-rft") and moving[i]]
@@ -368,9 +367,7 @@ def plot_pca(coords, labels, explained, moving, path):
 
 
 def plot_cosine(C, labels, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(1.5 + 0.55 * len(labels), 1.2 + 0.5 * len(labels)))
     im = ax.imshow(C, cmap="coolwarm", vmin=-1, vmax=1)
@@ -385,9 +382,7 @@ def plot_cosine(C, labels, path):
 
 
 def plot_consistency(tok: dict, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, rep in tok["checkpoints"].items():

@@ -117,8 +117,8 @@ class AdapterOff(torch.nn.Module):
 
     @property
     def is_gradient_checkpointing(self):
-        from acl.common import checkpoints_activations
-        return checkpoints_activations(self.get_base_model())
+        from acl.common import uses_activation_checkpointing
+        return uses_activation_checkpointing(self.get_base_model())
 
     def parameters(self, recurse: bool = True):
         return self.inner[0].parameters(recurse)

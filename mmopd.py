@@ -71,7 +71,7 @@ from acl.common import (
     world_size,
 )
 from acl.engine import make_backend, push_weights, wake_and_push
-from acl.scale import dry_run, model_config
+from acl.scale import dry_run, init_config
 from acl.step import (
     SAVE_DTYPES,
     Cursor,
@@ -253,7 +253,7 @@ def check_args(a):
     if a.dry_run:   # Seq-Final has the base's architecture: --dry-run needs no trained run
         a.teacher_paths = {}
         a.arch = a.student if is_checkpoint(a.student) else PRESETS[a.preset]["base"]
-        vocab = model_config(a.arch).vocab_size
+        vocab = init_config(a.arch).vocab_size
         if a.top_q > vocab:
             raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
         return a
@@ -266,7 +266,7 @@ def check_args(a):
         if not is_checkpoint(path):
             how = "python train_seq.py --oracle" if a.teachers == "oracle" else "python train_seq.py"
             raise UsageError(f"no teacher for {d}: {path} is not a checkpoint ({how}, or --teachers {d}=DIR)")
-    vocab, tok = model_config(a.student).vocab_size, tokenizer_hash(a.student)
+    vocab, tok = init_config(a.student).vocab_size, tokenizer_hash(a.student)
     if a.top_q > vocab:
         raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
     checked = {a.student}   # each checkpoint once (the stage teachers include Seq-Final, the student itself)
@@ -277,7 +277,7 @@ def check_args(a):
         if tokenizer_hash(path) != tok:
             raise UsageError(f"the {d} teacher {path} has another tokenizer than --student {a.student}: its "
                              f"distributions are over other tokens")
-        t_vocab = model_config(path).vocab_size
+        t_vocab = init_config(path).vocab_size
         if t_vocab != vocab:
             raise UsageError(f"the {d} teacher {path} has a vocabulary of {t_vocab}, the student {vocab}")
     a.tokenizer = tok

@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from acl.common import eta
+
 # The chat template: Qwen3's layout, tools listed compactly. `{% generation %}` marks the assistant
 # tokens so apply_chat_template(..., return_assistant_tokens_mask=True) can mask the loss.
 CHAT_TEMPLATE = (
@@ -104,13 +106,6 @@ def model_config(tokenizer, size: str = "tiny", max_len: int = 1024):
                        pad_token_id=tokenizer.pad_token_id, **SIZES[size])
 
 
-def elapsed_eta(t0: float, done: int, total: int, at_most: bool = False) -> str:
-    """'12s elapsed, ETA 34s' for `done` of `total` units of work begun at time t0, at the rate so far
-    (at_most: the loop may stop early, so the ETA is an upper bound)."""
-    el = time.time() - t0
-    return f"{el:.0f}s elapsed, ETA {'<=' if at_most else ''}{el / max(done, 1) * (total - done):.0f}s"
-
-
 def log_every_for(total: int, share: float = 0.05) -> int:
     """A progress line every this many of `total` steps: about every `share` of them (5%: ~20 lines)."""
     return max(1, round(total * share))
@@ -153,7 +148,7 @@ def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all",
 
     def tick(done):
         if progress and (done % every == 0 or done == total):
-            print(f"encode {done}/{total} documents | {elapsed_eta(t0, done, total)}", flush=True)
+            print(f"encode {done}/{total} documents | {eta(t0, done, total - done)}", flush=True)
     for k, (group, x) in enumerate(chats, 1):
         out = tokenizer.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
@@ -260,7 +255,7 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
         if step % log_every == 0 or step == steps or done or give_up:
             last, shown = losses[shown:], step   # the loss is the mean over the steps since the last line
             print(f"{name} step {step:5d}/{steps} | loss {sum(last) / len(last):.4f} | lr {lr_now:.2e} "
-                  f"| {elapsed_eta(t0, step, step if done else min(steps, give_up_at or steps), at_most=stop_below is not None and not done)}", flush=True)
+                  f"| {eta(t0, step, (step if done else min(steps, give_up_at or steps)) - step, at_most=stop_below is not None and not done)}", flush=True)
         if done:
             print(f"stopped at step {step}: the last 50 steps' loss is below {stop_below}", flush=True)
             break
@@ -274,7 +269,7 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
 def build_fingerprint(chats, generic, config: dict) -> str:
     """sha256 of everything a base build depends on: the corpus (every demo and generic document), the build's
     settings, and the source of the code that turns them into weights (tokenizer, model, drill, pre-training).
-    A committed base whose recorded fingerprint differs from the current code's is stale (tests/test_tiny.py)."""
+    A committed base whose recorded fingerprint differs from the current code's is stale (tests/test_pretrain.py)."""
     import hashlib
     import inspect
     h = hashlib.sha256()

@@ -33,7 +33,16 @@ import time
 import numpy as np
 import torch
 
-from acl.common import Parser, code_revision, read_meta, save_figure, save_json, usage_exit, write_file_atomically
+from acl.common import (
+    Parser,
+    code_revision,
+    pyplot,
+    read_meta,
+    save_figure,
+    save_json,
+    usage_exit,
+    write_file_atomically,
+)
 from acl.forgetting import METRIC_NAMES, accuracy_matrix, load_results, matrix_table
 from envs import DOMAINS
 from envs.base import UsageError
@@ -731,9 +740,7 @@ def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: st
         lines.append(f"- drop = a + b · KL on {name}: " + (f"b = {f[0]:.2f} ± {f[1]:.2f}, r = {f[2]:.2f}, {f[3]} points"
                                                            if f else f"too few points ({len(pts)}) to fit"))
     if plot_path:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(4.5, 3.4))
         ax.scatter([p[0] for p in pts], [p[2] for p in pts], s=18)
         f = fits["its own domain (the law's predictor)"]
@@ -898,9 +905,7 @@ def mmopd_kl_plot(paths: list, out: str):
     """Per domain, the reverse KL to its teacher over the steps (solid) and the forward KL at the gated positions
     (dashed), one colour per checkpoint, from acl_meta.json's history: a 5-step moving mean over each step's value
     (faint; a tiny step holds 16 episodes per domain)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     runs = []
     for p in paths:
         meta = read_meta(p)

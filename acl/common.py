@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from envs.base import UsageError
+from envs.base import UsageError, fsync, tmp_tag, write_file_atomically
 
 
 def usage_exit(e):
@@ -220,10 +220,11 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def eta(t0: float, done: int, left: int) -> str:
-    """The end of a progress line: seconds since t0 and, if the `left` units cost what the `done` ones did, to go."""
+def eta(t0: float, done: int, left: int, at_most: bool = False) -> str:
+    """The end of a progress line: seconds since t0 and, if the `left` units cost what the `done` ones did, to go
+    (at_most: the loop may stop early, so the ETA is an upper bound)."""
     el = time.time() - t0
-    return f"{el:.0f}s elapsed, ETA {el / max(done, 1) * left:.0f}s"
+    return f"{el:.0f}s elapsed, ETA {'<=' if at_most else ''}{el / max(done, 1) * left:.0f}s"
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -272,37 +273,6 @@ def full_params(model, trainable_only: bool = False):
 
 
 # ----------------------------------------------------------------------------- files and checkpoints
-
-def fsync(path: str):
-    """Flush a file, or a directory's entries and every file in it, to the disk: a rename that follows is then never
-    the name of an empty or half-written file after a crash (on filesystems that may reorder the two)."""
-    paths = [os.path.join(path, f) for f in os.listdir(path)] + [path] if os.path.isdir(path) else [path]
-    for p in paths:
-        if os.path.isdir(p) and p != path:
-            continue
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_file_atomically(path: str, write, suffix: str = "") -> str:
-    """Call write(tmp) on a temporary sibling file, fsync it, then rename it to `path` (and fsync the directory): a
-    reader never sees half a file, nor a crash an empty one. suffix: the temporary file's extension, for writers that
-    pick the format from it (matplotlib)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{tmp_tag()}{suffix}"
-    try:
-        write(tmp)
-        fsync(tmp)
-        os.replace(tmp, path)
-        fsync(os.path.dirname(os.path.abspath(path)))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
 
 
 def save_json(path: str, obj) -> str:
@@ -359,13 +329,6 @@ def check_run_files(out: str, recipe: dict, also=(), replace: bool = False):
 
 def mark_diverged(out: str, reason: str):
     save_json(run_files(out)[2], dict(reason=reason, at=time.strftime("%Y-%m-%dT%H:%M:%S")))
-
-
-def tmp_tag() -> str:
-    """What every temporary name carries of its writer, host and process: the leftover sweep removes only what a
-    process of this host that is no longer alive left (another lane of the same arena, or a node sharing runs/, may
-    be writing beside us)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def remove_leftovers(outs: list, files=()):
@@ -711,7 +674,7 @@ def checkpoint_activations(model):
     return model
 
 
-def checkpoints_activations(model) -> bool:
+def uses_activation_checkpointing(model) -> bool:
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
 
@@ -808,6 +771,14 @@ def same_tensors(base: str, ckpts: list) -> dict:
                 raise UsageError(f"mismatched architectures: {name} is {infos[m][name]['shape']} in {m}, "
                                  f"{info['shape']} in the base")
     return files
+
+
+def pyplot():
+    """matplotlib's pyplot on its file-only backend (no display needed): every plot of the project goes to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def save_figure(fig, path):

@@ -194,12 +194,10 @@ def matrix_table(m) -> str:
 
 def plot_matrix(m, path, title="accuracy after each stage"):
     """A heatmap PNG of accuracy_matrix()'s matrix (rows: base then stages, columns: domains), values written in."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    from acl.common import save_figure  # (the atomic write; acl.common imports torch)
+    from acl.common import pyplot, save_figure  # (the file-only backend, the atomic write; acl.common imports torch)
+    plt = pyplot()
     data = np.array([[np.nan if x is None else x for x in row] for row in m["matrix"]], dtype=float)
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(m["domains"]), 1.2 + 0.5 * len(m["rows"])))
     # tiny-arena scores sit far below 1: scale the colours to the largest score so differences show; a

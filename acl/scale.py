@@ -30,7 +30,7 @@ KNOWN_CONFIGS = {
 KNOWN_CONFIGS["Qwen/Qwen3-8B"] = KNOWN_CONFIGS["Qwen/Qwen3-8B-Base"]
 
 
-def model_config(init: str):
+def init_config(init: str):
     """The transformers config of --init without downloading: its config.json if it is a local directory,
     the built-in copy for a model KNOWN_CONFIGS names, else the local hub cache (or a UsageError)."""
     from transformers import AutoConfig, Qwen3Config
@@ -81,7 +81,7 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     push, then its KV cache: the three steps' peaks are printed, and the tightest named."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     from transformers import AutoModelForCausalLM
-    cfg = model_config(init)
+    cfg = init_config(init)
     if dist.is_initialized():
         raise RuntimeError("--dry-run runs in one process, not under torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

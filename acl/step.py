@@ -35,10 +35,10 @@ from acl.common import (
     all_reduce_max,
     all_reduce_sum,
     check_wandb,
-    checkpoints_activations,
     eta,
     print0,
     rank,
+    uses_activation_checkpointing,
     world_size,
 )
 from acl.engine import cache_kwarg
@@ -230,7 +230,7 @@ def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None):
     Each distinct prompt runs once and its KV cache is shared by its samples (the gradients of all of them flow
     back into it); under activation checkpointing, which has no cache, prompt and completion run as one sequence."""
     p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
-    if checkpoints_activations(model):
+    if uses_activation_checkpointing(model):
         ids, attn, pos = whole_sequences(b)
         # logits only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,

@@ -8,7 +8,7 @@
 #   3. the hf backend on the GPU's stock attention (sdpa with kept caches, padding inside a row, stacked parts; never
 #      the project's CPU-only shared-prefix kernel): kept-cache and continuous-batching rollouts against full
 #      re-prefill (token ids, masks, rewards) and sampled log-probs against teacher forcing, on every domain (the
-#      same checks tests/test_rollout.py runs on the CPU with stock sdpa); the largest log-prob gap in the log;
+#      same checks tests/test_engine.py runs on the CPU with stock sdpa); the largest log-prob gap in the log;
 #   4. bench/gpu.sh's step figures: GRPO update tokens/s and MFU against the nominal and the measured bf16 matmul peak,
 #      LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s.
 #   bash bench/gpu_check.sh           # on a GPU

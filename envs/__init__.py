@@ -101,7 +101,7 @@ def add_data_flags(p, train: bool = False):
 
 
 # What each domain needs to run on real data (full scale): the flags, and what they give it. Without them a domain
-# would fall back to its tiny world, which at full scale is a silent failure (issue 22).
+# would fall back to its tiny world, which at full scale is a silent failure.
 REAL_DATA = {"math": [("math_data", "--math-data")],
              "search": [("search_data", "--search-data"), (("search_corpus", "retriever_url"),
                                                             "--search-corpus or --retriever-url")],

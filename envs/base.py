@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 
 
@@ -309,3 +310,46 @@ def _dataset_rows(source, path, split, configs) -> list:
         first = (str(e).strip().splitlines() or [""])[0]
         raise UsageError(f"cannot load {source!r}: {type(e).__name__}: {first}") from None
     return [dict(row) for part in parts for row in part]
+
+
+# ----------------------------------------------------------------------------- files written atomically
+# (the ground floor's, so that an environment's cache uses the same write as the library's checkpoints: acl/common.py)
+
+
+def fsync(path: str):
+    """Flush a file, or a directory's entries and every file in it, to the disk: a rename that follows is then never
+    the name of an empty or half-written file after a crash (on filesystems that may reorder the two)."""
+    paths = [os.path.join(path, f) for f in os.listdir(path)] + [path] if os.path.isdir(path) else [path]
+    for p in paths:
+        if os.path.isdir(p) and p != path:
+            continue
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_file_atomically(path: str, write, suffix: str = "") -> str:
+    """Call write(tmp) on a temporary sibling file, fsync it, then rename it to `path` (and fsync the directory): a
+    reader never sees half a file, nor a crash an empty one. suffix: the temporary file's extension, for writers that
+    pick the format from it (matplotlib)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{tmp_tag()}{suffix}"
+    try:
+        write(tmp)
+        fsync(tmp)
+        os.replace(tmp, path)
+        fsync(os.path.dirname(os.path.abspath(path)))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def tmp_tag() -> str:
+    """What every temporary name carries of its writer, host and process: the leftover sweep removes only what a
+    process of this host that is no longer alive left (another lane of the same arena, or a node sharing runs/, may
+    be writing beside us)."""
+    return f"{socket.gethostname()}-{os.getpid()}"

@@ -25,7 +25,7 @@ from collections import Counter
 from langdetect import DetectorFactory
 from langdetect import detect as _langdetect
 
-from envs.base import SPLITS, Env, Task, UsageError, cache_dir, load_rows
+from envs.base import SPLITS, Env, Task, UsageError, cache_dir, load_rows, write_file_atomically
 
 DetectorFactory.seed = 0  # langdetect samples n-grams at random: fix it so scores are deterministic
 BENCHMARKS = ("ifeval", "ifbench")
@@ -699,17 +699,13 @@ def _tiny_tasks(split, n, seed):
             tasks = _generate(split, n, random.Random(f"if:{split}:{seed}"))
             for i, t in enumerate(tasks):
                 t.id = f"if-{split}-{seed}-{i}"
-            tmp = f"{path}.tmp-{os.getpid()}"
-            try:   # a cache: a failed write (a full disk, a kill) costs the next run a regeneration, never a leftover
-                os.makedirs(root, exist_ok=True)
+            def write(tmp):
                 with open(tmp, "w") as f:
                     json.dump([t.__dict__ for t in tasks], f)
-                os.replace(tmp, path)
-            except BaseException as e:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                if not isinstance(e, OSError):
-                    raise
+            try:   # a cache: a failed write (a full disk, a kill) costs the next run a regeneration, never a leftover
+                write_file_atomically(path, write)
+            except OSError:
+                pass
         _TASKS[key] = tasks
     return _TASKS[key]
 

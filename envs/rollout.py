@@ -26,7 +26,7 @@ from envs.base import UsageError
 # The tiny arena's limits per episode and per assistant turn (the rollout defaults; evaluate.py's tiny suite
 # and train_seq.py's tiny preset use them too). A by-the-book e-commerce episode runs to ~1,230 tokens (an
 # exchange: four tool answers in JSON); a limit of 1,024 cut every exchange and most address episodes
-# (tests/test_tiny.py checks that every clean demonstration fits).
+# (tests/test_pretrain.py checks that every clean demonstration fits).
 MAX_TOKENS, MAX_TURN_TOKENS = 1536, 256
 
 

@@ -150,7 +150,7 @@ class BM25Index:
         the node's other ranks wait for it, and every process loads it memory-mapped (the index arrays and the
         passages), so a node pays one build and holds one copy in its page cache instead of one per rank. Wiki-18
         (21M passages, 13 GB): the build reads every passage into memory once (measured on a 200k-passage corpus:
-        see docs/LOG.md, issue 22). A later run with the same file loads the saved index at once."""
+        see docs/LOG.md). A later run with the same file loads the saved index at once."""
         import hashlib
         import time
         if not os.path.isfile(path):

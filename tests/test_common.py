@@ -197,3 +197,10 @@ def test_metrics_go_to_wandb_too_with_one_run_per_checkpoint(tmp_path, monkeypat
     with pytest.raises(common.UsageError, match="--wandb needs the wandb package"):
         common.check_wandb("aclarena")
     common.check_wandb(None)
+
+
+def test_run_name():
+    assert common.run_name("runs/tiny/seq/1-math") == (os.path.join(ROOT, "runs", "tiny", "eval"), "seq-1-math")
+    assert common.run_name("/x/runs/tiny/oracle/math/")[1] == "oracle-math"
+    assert common.run_name("/x/runs/a/runs/tiny/base") == ("/x/runs/a/runs/tiny/eval", "base")
+    assert common.run_name("/x/ckpts/base") == (None, "base")

@@ -771,7 +771,7 @@ def test_the_user_key_goes_only_where_it_is_named(tmp_path, fake_user, monkeypat
 
 
 def test_the_user_model_is_probed_before_work_thinks_not_and_its_reasoning_is_dropped(tmp_path, fake_user):
-    """Issue 22: a Qwen3 user is asked not to think (chat_template_kwargs; other servers are not sent the field), its
+    """A Qwen3 user is asked not to think (chat_template_kwargs; other servers are not sent the field), its
     <think> text never reaches the agent, and a user endpoint that does not answer stops load_envs in one line."""
     from envs import load_envs
     user = fake_user(["<think>I should ask about the keyboard.</think> I want to exchange my keyboard.",

@@ -376,7 +376,7 @@ def test_bad_user_input_raises_one_clear_line(flashrag, tmp_path):
 
 
 def test_the_retriever_is_probed_before_work(flashrag, retriever):
-    """Issue 22: a retrieval server that does not answer stops load_envs (every script's data check) in one line,
+    """A retrieval server that does not answer stops load_envs (every script's data check) in one line,
     instead of turning every search of a run into an error observation."""
     from envs import load_envs
     SearchEnv(data=str(flashrag / "qa"), retriever_url=retriever, timeout=5).check_services()

@@ -63,9 +63,9 @@ def test_bf16_logprobs_are_the_fp32_reference_within_bf16_rounding(micro):
 
 def test_kept_cache_decoding_equals_re_prefill_on_the_device():
     """The hf backend's kept caches and continuous batching on the device's stock attention (sdpa: kept caches,
-    padding inside a row, stacked parts), against full re-prefill and teacher forcing, as tests/test_rollout.py
+    padding inside a row, stacked parts), against full re-prefill and teacher forcing, as tests/test_engine.py
     checks them on the CPU with stock sdpa (shared_attention False)."""
-    from test_rollout import check_kept_equals_re_prefill, check_sampled_logprobs_are_teacher_forced, tiny_base
+    from test_engine import check_kept_equals_re_prefill, check_sampled_logprobs_are_teacher_forced, tiny_base
     model, tok = tiny_base(torch.device(DEVICE))
     assert model.config._attn_implementation == "sdpa"
     check_kept_equals_re_prefill(model, tok, shared_attention=False)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import report
+from acl import forgetting
 from envs.base import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -330,3 +331,25 @@ def test_the_forgetting_law_section_fits_drop_against_kl(run, tmp_path):
     assert "| seq-3-ecommerce | 0.0900 ± 0.0010 | – | – | math 0.400 ± " in text   # 0.6 -> 0.2
     assert "b = " in text and "6 points" in text
     assert (run / "analysis" / "forgetting_kl.png").is_file()
+
+
+def test_across_training_seeds(tmp_path):
+    """arena.sh SEEDS > 1: every seed's accuracy matrix, from hand-made records, as mean ± std over the seeds."""
+    def math_record(values):
+        return {"math/test": {"mean": sum(values) / len(values), "n": len(values),
+                              "task_ids": [f"t{i}" for i in range(len(values))], "per_task": values}}
+    runs = []
+    for k, (a, b) in enumerate([(0.5, 0.2), (0.7, 0.4), (0.6, 0.3)]):
+        m = forgetting.accuracy_matrix([("seq-1-math", "math", math_record([a] * 4)),
+                                        ("seq-2-if", "if", math_record([b] * 4))], math_record([0.1] * 4), ["math"])
+        run = tmp_path / f"runs/tiny-seed{k}"
+        os.makedirs(run / "eval")
+        (run / "eval" / "seq_matrix.json").write_text(json.dumps(m))
+        runs.append(str(run))
+    text = report.across_seeds(runs)
+    assert "mean ± std over 3 training seeds" in text and "| seq-1-math | 0.600 ± 0.100 |" in text
+    assert "BWT -0.300 ± 0.000" in text
+    saved = json.loads(open(os.path.join(runs[0], "eval", "seq_matrix_seeds.json")).read())
+    assert saved["score"]["matrix"][1][0] == [pytest.approx(0.6), pytest.approx(0.1), 3]
+    with pytest.raises(UsageError, match="no accuracy matrix"):
+        report.across_seeds(runs + [str(tmp_path / "nothing")])

@@ -223,7 +223,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tree, capsys, monk
 
 
 def test_a_user_model_that_starts_failing_mid_run_stops_the_run_with_the_count(tmp_path):
-    """Issue 22: the LLM user answers the start-up probe, then fails every request: the first GRPO batch's e-commerce
+    """The LLM user answers the start-up probe, then fails every request: the first GRPO batch's e-commerce
     episodes all end in a user error, and the run stops with the count instead of training on their zero rewards."""
     import subprocess
 
@@ -249,7 +249,7 @@ def test_a_user_model_that_starts_failing_mid_run_stops_the_run_with_the_count(t
 
 
 def test_check_install_names_what_does_not_work(monkeypatch, capsys):
-    """Issue 22: `train_seq.py --check-install` prints the versions and exits 0 on this machine's install; a vllm
+    """`train_seq.py --check-install` prints the versions and exits 0 on this machine's install; a vllm
     older than the backend supports and a flash-attn that does not import (a wheel built for another torch) are each
     a problem line, and exit status 1."""
     import importlib.metadata as md

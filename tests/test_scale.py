@@ -9,7 +9,7 @@ import torch
 
 import train_seq
 from acl.common import resolve_attn
-from acl.scale import KNOWN_CONFIGS, dry_run, model_config, shard_rows
+from acl.scale import KNOWN_CONFIGS, dry_run, init_config, shard_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,9 +69,9 @@ def test_dry_run_command_line_on_a_local_config(tmp_path):
 
 
 def test_known_configs_and_attn():
-    assert model_config("Qwen/Qwen3-8B-Base").num_hidden_layers == 36
+    assert init_config("Qwen/Qwen3-8B-Base").num_hidden_layers == 36
     with pytest.raises(ValueError):
-        model_config("nobody/no-such-model")
+        init_config("nobody/no-such-model")
     assert resolve_attn("eager") == "eager"
     assert resolve_attn("auto") in ("sdpa", "flash_attention_2")
     if not torch.cuda.is_available():

@@ -3,6 +3,7 @@ sequential run end to end on a micro checkpoint (resume, skip finished stages, b
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import torch
 
 import acl.step
 import train_seq
+from envs import per_domain
 from envs.base import UsageError, well_formed
 from envs.rollout import Episode
 
@@ -522,7 +524,7 @@ def test_token_logprobs_same_with_activation_checkpointing(micro):
     only) gives the shared-prompt path's log-probs and gradients."""
     import copy
 
-    from acl.common import checkpoint_activations, checkpoints_activations
+    from acl.common import checkpoint_activations, uses_activation_checkpointing
     model, tok = micro
     eps = [Episode("a", "math", "train", k, [5, 6, 7, 8] + c, [0] * 4 + [1] * len(c), [0.0] * (4 + len(c)), 4)
            for k, c in enumerate([[9, 10, 11], [12, 13], [14, 15, 16, 17]])]
@@ -530,7 +532,7 @@ def test_token_logprobs_same_with_activation_checkpointing(micro):
     b = acl.step.pack(eps, tok.pad_token_id)
     plain, ckpt = copy.deepcopy(model).train(), copy.deepcopy(model).train()
     checkpoint_activations(ckpt)
-    assert checkpoints_activations(ckpt) and not checkpoints_activations(plain)
+    assert uses_activation_checkpointing(ckpt) and not uses_activation_checkpointing(plain)
     out = {}
     for name, m in (("plain", plain), ("ckpt", ckpt)):
         lp = acl.step.token_logprobs(m, b, temperature=0.8)
@@ -538,3 +540,77 @@ def test_token_logprobs_same_with_activation_checkpointing(micro):
         out[name] = (lp.detach() * b["mask"], [p.grad.clone() for p in m.parameters()])
     assert torch.allclose(out["plain"][0], out["ckpt"][0], atol=1e-5)
     assert all(torch.allclose(g1, g2, atol=1e-5) for g1, g2 in zip(out["plain"][1], out["ckpt"][1]))
+
+
+def test_gspo_ratio_by_hand():
+    """GSPO: one ratio per sequence, exp(mean over its sampled tokens of log pi - log pi_old), on every token."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.3, -9.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.8, -0.6], [-0.25, -0.3, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])        # the second sequence is two tokens long
+    adv = torch.tensor([[1.0], [-1.0]])
+    a = argparse.Namespace(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.0, loss="gspo")
+    b = dict(slp=old, mask=mask)
+    loss, st = train_seq.grpo_loss(logp, b, dict(adv=adv, old=old), a)
+    s1 = math.exp(((-1.0 + 1.1) + (-2.0 + 1.8) + (-0.5 + 0.6)) / 3)  # = exp(0) = 1
+    s2 = math.exp(((-0.2 + 0.25) + 0.0) / 2)
+    tis = torch.exp(old - old)                                       # sampler == trainer here: 1
+    want = torch.tensor([[-s1 * 1.0] * 3, [s2 * 1.0] * 3]) * tis      # unclipped: -min(s A, clip(s) A)
+    assert torch.allclose(loss, want, atol=1e-6)
+    # the gradient of each token's loss is -A * s_i * d log p_t: the sequence ratio scales every token alike
+    loss[1, 0].backward()
+    assert logp.grad[1, 0].item() == pytest.approx(s2, rel=1e-6) and logp.grad[1, 1].item() == 0.0
+    # a sequence whose ratio leaves the clip range is clipped as a whole (every token), per-token GRPO is not
+    far = old.clone()
+    far[0] = logp[0].detach() - 0.5                                   # mean log-ratio 0.5: s = 1.65 > 1.28
+    _, st = train_seq.grpo_loss(logp, b, dict(adv=adv, old=far), a)
+    assert st["clip"][0].tolist() == [1.0, 1.0, 1.0] and st["clip"][1].tolist() == [0.0, 0.0, 0.0]
+    _, st_grpo = train_seq.grpo_loss(logp, b, dict(adv=adv, old=far), argparse.Namespace(**dict(vars(a), loss="grpo")))
+    assert st_grpo["clip"][0].tolist() == [1.0, 1.0, 1.0]   # (here too: each token's own ratio is 1.65)
+    far[0, 0] = logp[0, 0].detach() + 0.3                             # tokens disagree: the sequence decides for all
+    _, st = train_seq.grpo_loss(logp, b, dict(adv=adv, old=far), a)
+    _, st_grpo = train_seq.grpo_loss(logp, b, dict(adv=adv, old=far), argparse.Namespace(**dict(vars(a), loss="grpo")))
+    assert st["clip"][0].tolist() == [0.0, 0.0, 0.0] and st_grpo["clip"][0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_per_domain_rates_parse_and_refuse_bad_input():
+    doms = ["math", "search", "ecommerce", "if"]
+    assert per_domain("--lr", "2e-4", doms, float) == {d: 2e-4 for d in doms}
+    assert per_domain("--lr", "math=1e-3,search=5e-4,ecommerce=2e-4,if=3e-4", doms, float)["search"] == 5e-4
+    assert per_domain("--steps", "math=4,if=2", ["math", "if"]) == {"math": 4, "if": 2}
+    for bad, msg in [("math=1e-3", "names no value for search"), ("fast", "takes X or domain=X"),
+                     ("math=1e-3,math=2e-3,search=1,ecommerce=1,if=1", "twice"), ("mth=1,math=1,search=1,ecommerce=1,if=1",
+                                                                                 "unknown domain 'mth'"),
+                     ("nan", "finite"), ("math=inf,search=1,ecommerce=1,if=1", "finite")]:
+        with pytest.raises(UsageError, match=msg):
+            per_domain("--lr", bad, doms, float)
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--lr", "math=1e-3"], "--lr names no value for search"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--kl-coef", "math=0.01,search=0,ecommerce=-0.1,if=0"], "--kl-coef must be >= 0"),
+    (["--kl-coef", "lots"], "--kl-coef takes X or domain=X"),
+    (["--expert-data", "x", "--cold-start", "self"], "--expert-data is for --cold-start expert"),
+    (["--preset", "qwen3-8b", "--cold-start", "expert", "--dry-run", "--world-size", "8"], "needs --expert-data DIR"),
+])
+def test_train_seq_refuses_bad_rates_in_one_line(flags, msg, tmp_path, micro):
+    from acl.common import save_checkpoint
+    model, tok = micro
+    save_checkpoint(str(tmp_path / "base"), model, tok, {"method": "base"})
+    a = train_seq.get_args(["--init", str(tmp_path / "base"), "--runs", str(tmp_path / "runs")] + flags)
+    with pytest.raises(UsageError, match=msg):
+        train_seq.check_args(a)
+
+
+def test_per_domain_rates_reach_the_stage_and_its_recipe(tmp_path, micro):
+    from acl.common import save_checkpoint
+    model, tok = micro
+    save_checkpoint(str(tmp_path / "base"), model, tok, {"method": "base"})
+    a = train_seq.check_args(train_seq.get_args(["--init", str(tmp_path / "base"), "--runs", str(tmp_path / "r"),
+                                                 "--lr", "math=1e-3,search=5e-4,ecommerce=2e-4,if=3e-4",
+                                                 "--kl-coef", "math=0.01,search=0,ecommerce=0.1,if=0"]))
+    s = train_seq.stage_args(a, "ecommerce")
+    assert (s.lr, s.kl_coef) == (2e-4, 0.1)
+    r = train_seq.recipe(a, "math")
+    assert (r["lr"], r["kl_coef"], r["cold_start"]) == (1e-3, 0.01, None)     # math has no cold start
+    assert train_seq.recipe(a, "search")["cold_start"] == "expert"             # the tiny preset's default
