@@ -31,3 +31,38 @@ def dead_tag():
     p = subprocess.Popen(["true"])
     p.wait()
     return f"{socket.gethostname()}-{p.pid}"
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def call(capsys, monkeypatch):
+    """call(main, args) runs a script's main in this process as `python script.py args` runs it (from the repository
+    root; main() without an argv parameter reads sys.argv) -> an object with returncode, stdout and stderr, as
+    subprocess.run gives. For the one-line refusals: a fresh Python costs 3-5 s (torch and transformers imports),
+    this costs nothing. torch's thread count is restored after (a script's --threads sets it)."""
+    import inspect
+    import types
+
+    import torch
+
+    def go(main, args):
+        threads = torch.get_num_threads()
+        monkeypatch.chdir(ROOT)
+        capsys.readouterr()
+        args = [str(x) for x in args]
+        code = 0
+        try:
+            if inspect.signature(main).parameters:
+                main(args)
+            else:
+                monkeypatch.setattr(sys, "argv", [main.__module__ + ".py", *args])
+                main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            torch.set_num_threads(threads)
+        out = capsys.readouterr()
+        return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return go

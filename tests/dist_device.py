@@ -8,10 +8,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from acl import common  # noqa: E402
 from dist_grpo import episodes  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+from acl import common  # noqa: E402
 from acl.step import train_on  # noqa: E402
 from train_seq import grpo_loss  # noqa: E402
 

@@ -7,9 +7,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from acl import common  # noqa: E402
-
 import train_seq  # noqa: E402
+from acl import common  # noqa: E402
 
 real = common.write_atomically
 

@@ -66,6 +66,7 @@ def test_the_leftover_sweep_removes_only_what_a_dead_writer_of_these_outputs_lef
     assert [p for p in gone if p.exists()] == [] and [p for p in stay if not p.exists()] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_sharded_resume_state_restarts_on_two_ranks_and_on_one(tmp_path, mode):
     """save_train_state under FSDP2 on 2 ranks writes one DCP shard file per rank (no gather); loading it on 2 ranks
@@ -124,6 +125,7 @@ def test_the_process_group_gets_the_dist_timeout(monkeypatch):
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=90)}
 
 
+@pytest.mark.slow
 def test_fsdp2_two_cpu_processes_match_one(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

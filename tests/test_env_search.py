@@ -197,6 +197,7 @@ def test_every_subject_passage_ranks_first():
                 assert ENV.search(name).startswith(f"[1] {name}: "), name
 
 
+@pytest.mark.slow
 def test_demos_replay_through_the_env():
     envs = {}  # demos come from worlds of their own: replay each in its world
     held_out = frozenset(e["name"] for e in ENV.world.values() if e["pool"] != "train")
@@ -283,6 +284,7 @@ def test_wiki18_corpus_and_flashrag_data(flashrag):
     assert single.search("Babbage").count("\n") == 0
 
 
+@pytest.mark.slow
 def test_a_corpus_index_is_built_once_per_node(flashrag, monkeypatch):
     """BM25Index.for_corpus: local ranks 0 and 1 of one node start together; rank 0 builds and saves the index, rank
     1 waits for it, and both load the same memory-mapped index and retrieve the same passages; a later start loads

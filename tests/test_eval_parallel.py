@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
+import evaluate
 from acl.common import save_checkpoint
 
 torch.set_num_threads(1)
@@ -45,6 +47,7 @@ def scores(path):
     return {b: (v["per_seed"], v["per_task"], v["metrics"], v.get("gold")) for b, v in rec["benchmarks"].items()}
 
 
+@pytest.mark.slow
 def test_two_workers_a_slow_one_the_same_scores_as_one_process(micro, tmp_path):
     ckpts = checkpoints(micro, tmp_path / "runs" / "tiny")
     one, par = tmp_path / "one", tmp_path / "par"
@@ -69,6 +72,7 @@ def test_two_workers_a_slow_one_the_same_scores_as_one_process(micro, tmp_path):
     assert json.load(open(par / "seq_matrix.json"))["rows"] == ["base", "seq-1-math", "seq-2-if"]
 
 
+@pytest.mark.slow
 def test_a_failed_worker_stops_the_launcher_and_resume_keeps_the_others(micro, tmp_path):
     ckpts = checkpoints(micro, tmp_path / "runs" / "tiny")[:2]
     par = tmp_path / "par"
@@ -84,13 +88,12 @@ def test_a_failed_worker_stops_the_launcher_and_resume_keeps_the_others(micro, t
     assert "| base | " in r.stdout and "| seq-1-math | " in r.stdout
 
 
-def test_bad_devices_stop_in_one_line_before_any_work(micro, tmp_path):
+def test_bad_devices_stop_in_one_line_before_any_work(micro, tmp_path, call):
     ckpts = checkpoints(micro, tmp_path / "runs" / "tiny")[:1]
     for devices, message in (("0", "GPU 0 is not here (0 visible)"), ("cpu,gpu1", "--devices takes GPU indices")):
         if devices == "0" and torch.cuda.is_available():
             continue
-        r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", *ckpts, *FAST, "--devices", devices], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+        r = call(evaluate.main, ["--ckpt", *ckpts, *FAST, "--devices", devices])
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and message in r.stderr
         assert sorted(os.listdir(tmp_path / "runs" / "tiny")) == ["base", "seq"]
 

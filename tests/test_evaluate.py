@@ -102,6 +102,7 @@ FAST = ["--suite", "tiny", "--n", "4", "--domains", "math,if", "--max-turn-token
         "--threads", "1"]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     model, tok = micro
     runs = tmp_path / "runs" / "tiny"
@@ -151,6 +152,7 @@ def test_cli_end_to_end_with_the_accuracy_matrix(micro, tmp_path):
     assert r.returncode == 0 and os.listdir(tmp_path / "elsewhere") == ["base.json"]
 
 
+@pytest.mark.slow
 def test_resume_keeps_a_record_only_of_this_checkpoint_with_the_same_settings_and_scoring_code(micro, tmp_path):
     """arena.sh restarted after a kill: a finished evaluation is kept; one of a checkpoint since replaced under the
     same path (lineage by identity), made with other settings or by other scoring code (a `git pull`) is redone."""
@@ -228,8 +230,8 @@ def test_cli_save_episodes(micro, tmp_path):
     assert os.listdir(tmp_path / "mine" / "base") == ["notes.txt"]
 
 
-def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path):
-    r = run_cli("--ckpt", str(tmp_path / "runs/tiny/seq/1-math"), "--suite", "tiny")
+def test_cli_missing_checkpoint_is_one_line_and_writes_nothing(tmp_path, call):
+    r = call(evaluate.main, ["--ckpt", str(tmp_path / "runs/tiny/seq/1-math"), "--suite", "tiny"])
     assert r.returncode != 0 and r.stderr.strip().count("\n") == 0
     assert r.stderr.startswith("error: checkpoint directory not found") and os.listdir(tmp_path) == []
 

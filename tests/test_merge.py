@@ -204,7 +204,7 @@ def test_a_rerun_keeps_a_merge_of_the_same_inputs_and_refuses_one_whose_inputs_w
     ("balanced", "needs --oracles"),
     ("domains", "one domain per model"),
 ])
-def test_bad_input_stops_before_writing(ckpts, tmp_path, case, msg):
+def test_bad_input_stops_before_writing(ckpts, tmp_path, case, msg, call):
     root, base, models = ckpts
     out = tmp_path / "never"
     args = {"weights": ["--models", *models[:2], "--weights", "1", "1", "1"],
@@ -219,7 +219,7 @@ def test_bad_input_stops_before_writing(ckpts, tmp_path, case, msg):
         cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=16, intermediate_size=64)
         save_checkpoint(str(root / "other"), Qwen3ForCausalLM(cfg), None, {})
-    r = run("--base", base, *args, "--out", str(out))
+    r = call(merge.main, ["--base", base, *args, "--out", str(out)])
     assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 

@@ -145,6 +145,7 @@ def test_the_hf_backend_keeps_a_bounded_number_of_adapters_loaded(tiny, tmp_path
     assert [(g.token_ids, g.logprobs) for g in again] == [(g.token_ids, g.logprobs) for g in first]
 
 
+@pytest.mark.slow
 def test_fsdp2_lora_two_cpu_ranks_match_one_process(tmp_path):
     """One GRPO update of an expert (adapter only, AdamW, k3 KL to the adapter-disabled model) under torchrun with 2
     ranks (FSDP2 over the peft model, gloo) = the same update in one process; the frozen weights do not move."""
@@ -272,6 +273,7 @@ def test_a_backbone_replaced_in_place_makes_the_experts_stale(tmp_path):
     assert r.returncode == 2 and "experts/math" in r.stderr and "another parent" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_expert_resumes_to_the_same_weights(done, tmp_path, monkeypatch):
     out, _ = done
     killed = str(tmp_path / "runs" / "mle")
@@ -353,14 +355,14 @@ def test_a_task_whose_tag_has_no_expert_and_a_missing_expert_fail_with_one_line(
                                       (["--lora-rank", "0"], "--lora-rank must be >= 1"),
                                       (["--backbone", "/nonexistent/sdft"], "--backbone checkpoint not found"),
                                       (["--domains", "math,cooking"], "cooking")])
-def test_bad_input_stops_with_one_line_before_anything_is_written(tmp_path, bad, msg):
+def test_bad_input_stops_with_one_line_before_anything_is_written(tmp_path, bad, msg, call):
     out = str(tmp_path / "runs" / "mle")
     args = [*FAST, "--out", out]
     for flag in bad[::2]:
         if flag in args:
             i = args.index(flag)
             del args[i: i + 2]
-    r = run([*args, *bad])
+    r = call(mle.main, [*args, *bad])
     assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert not os.path.exists(tmp_path / "runs")
 
@@ -394,6 +396,7 @@ def test_a_router_mix_blend_is_the_weighted_sum_of_the_experts_updates(done, tmp
     assert r.returncode == 2 and "--router learned" in r.stderr and not os.path.exists(tmp_path / "x")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_train_and_save_an_expert(tmp_path):
     """Two CPU ranks (gloo): the peft model sharded with FSDP2, each rank sampling with its own unsharded copy of
     the backbone + adapter, refreshed by the adapter-only push after every update; the expert is saved once."""

@@ -245,6 +245,7 @@ def base_args(models, tmp_path):
             "--micro-batch", "4"]
 
 
+@pytest.mark.slow
 def test_a_tiny_run_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_same_weights(models, tmp_path, monkeypatch):
     from safetensors.torch import load_file
     args = base_args(models, tmp_path)
@@ -293,12 +294,12 @@ def test_a_tiny_run_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_same_w
     assert r.returncode == 2 and "another recipe" in r.stderr and "--overwrite" in r.stderr
 
 
-def test_bad_input_stops_with_one_line_before_anything_is_written(models, tok, tmp_path):
+def test_bad_input_stops_with_one_line_before_anything_is_written(models, tok, tmp_path, call):
     args = base_args(models, tmp_path)
     runs = str(tmp_path / "runs")
 
     def refused(extra, *needles, base=args):
-        r = run([*base, "--out", str(tmp_path / "out"), *extra])
+        r = call(mmopd.main, [*base, "--out", str(tmp_path / "out"), *extra])
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
         assert all(n in r.stderr for n in needles), r.stderr
         assert not os.path.exists(runs) and not os.path.exists(tmp_path / "out")
@@ -324,6 +325,7 @@ def test_bad_input_stops_with_one_line_before_anything_is_written(models, tok, t
     refused(["--teachers", f"math={wide},search={models['t_search']}"], "math teacher", "vocabulary of")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_route_score_and_train(models, tmp_path):
     """Two CPU ranks (gloo, FSDP2): student and teachers sharded, every rank visits every teacher (stand-in passes
     where it holds none of a domain's episodes), the checkpoint is saved once."""

@@ -52,9 +52,10 @@ def test_build_base_end_to_end(tmp_path):
     (["--mix", "chess=2"], "bad --mix item 'chess=2'"),
     (["--drill-steps", "-1"], "--drill-steps"),
 ])
-def test_bad_flags_stop_before_writing(tmp_path, args, msg):
+def test_bad_flags_stop_before_writing(tmp_path, args, msg, call):
+    import pretrain
     out = tmp_path / "base"
-    r = run("--out", str(out), *args, timeout=120)
+    r = call(pretrain.main, ["--out", str(out), *args])
     assert r.returncode != 0
     assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
@@ -104,6 +105,7 @@ def drill_build(tmp_path_factory):
     return out, r
 
 
+@pytest.mark.slow
 def test_build_base_with_the_drill(drill_build):
     out, r = drill_build
     assert "induction drill: at most 12 rounds of 10 steps" in r.stdout

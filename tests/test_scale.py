@@ -1,5 +1,6 @@
 """The full-scale pieces that run without a GPU: --dry-run's FSDP2 plan and memory estimate on the meta device,
 the known configurations, --attn auto, and bench/gpu_step.py's code on a micro model (--smoke)."""
+import importlib
 import os
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def test_known_configs_and_attn():
         assert resolve_attn("auto") == "sdpa"
 
 
+@pytest.mark.slow
 def test_gpu_step_smoke():
     r = subprocess.run([sys.executable, "bench/gpu_step.py", "--smoke"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
@@ -87,7 +89,7 @@ def test_gpu_step_smoke():
 
 
 @pytest.mark.parametrize("script", ["train_seq.py", "mmopd.py", "sdft.py"])
-def test_the_full_scale_presets_refuse_the_tiny_worlds(script, tmp_path):
+def test_the_full_scale_presets_refuse_the_tiny_worlds(script, tmp_path, call):
     """--preset qwen3-8b without a domain's data would train on that domain's tiny world: refused in one line that
     names every missing flag, before anything is written (a dry run needs no data)."""
     ck = tmp_path / "ck"
@@ -98,7 +100,7 @@ def test_the_full_scale_presets_refuse_the_tiny_worlds(script, tmp_path):
     if script == "sdft.py":   # sdft checks its student first; a config-only directory is enough to get past it
         (ck / "model.safetensors").write_bytes(b"")
         args += ["--student", str(ck)]
-    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = call(importlib.import_module(script[:-3]).main, args)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     for flag in ("--search-corpus or --retriever-url (search)", "--tau-data (ecommerce)", "--user-url (ecommerce)",
                  "--user-model (ecommerce)"):
@@ -106,13 +108,12 @@ def test_the_full_scale_presets_refuse_the_tiny_worlds(script, tmp_path):
     assert "--search-data" not in r.stderr and not os.path.exists(tmp_path / "runs")
 
 
-def test_a_user_endpoint_without_a_model_name_is_refused(tmp_path):
+def test_a_user_endpoint_without_a_model_name_is_refused(tmp_path, call):
     """A served model answers an unknown name with an error, which would end every e-commerce episode in a user error
     (reward 0): --user-url needs --user-model, in every script that takes it."""
     for cmd in (["train_seq.py", "--curriculum", "ecommerce", "--init", os.path.join(ROOT, "assets", "tiny-base"), "--runs",
                  str(tmp_path / "runs")],
                 ["evaluate.py", "--suite", "full", "--ckpt", os.path.join(ROOT, "assets", "tiny-base"), "--benchmarks",
                  "tau-retail", "--out-dir", str(tmp_path / "eval")]):
-        r = subprocess.run([sys.executable, *cmd, "--user-url", "http://127.0.0.1:9/v1"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+        r = call(importlib.import_module(cmd[0][:-3]).main, [*cmd[1:], "--user-url", "http://127.0.0.1:9/v1"])
         assert r.returncode == 2 and "--user-url needs --user-model" in r.stderr, (cmd, r.stderr[-2000:])

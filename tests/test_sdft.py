@@ -223,6 +223,7 @@ def test_collect_filter_write_and_train_end_to_end_through_the_rollout_loop(tmp_
     assert r.returncode == 0 and "collected before with this recipe" in r.stdout and "nothing to do" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_run_on_a_pool_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_same_weights(pool, student, tmp_path,
                                                                                                monkeypatch):
     from safetensors.torch import load_file
@@ -268,12 +269,12 @@ def test_a_run_on_a_pool_is_scored_by_evaluate_and_a_killed_run_resumes_to_the_s
     assert json.load(open(os.path.join(whole, "acl_meta.json")))["recipe"]["lr"] == 5e-4
 
 
-def test_bad_input_stops_with_one_line_before_anything_is_written(pool, student, tmp_path, tok):
+def test_bad_input_stops_with_one_line_before_anything_is_written(pool, student, tmp_path, tok, call):
     path, _ = pool
     runs = str(tmp_path / "runs")
 
     def refused(args, *needles):
-        r = run(["--runs", runs, "--threads", "1", *args])
+        r = call(sdft.main, ["--runs", runs, "--threads", "1", *args])
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
         assert all(n in r.stderr for n in needles), r.stderr
         assert not os.path.exists(runs)
@@ -309,6 +310,7 @@ def test_a_filter_that_empties_a_domain_is_named_and_nothing_is_written(tmp_path
     assert not os.path.exists(os.path.join(runs, "sdft-pool")) and not os.path.exists(os.path.join(runs, "sdft"))
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_collect_and_train_like_one_process(tmp_path):
     """Under torchrun on 2 CPU ranks (gloo): each rank samples half the prompts, the pool is gathered and written once
     in prompt order, and FSDP2 training on it ends where one process training on the same pool ends."""

@@ -156,6 +156,7 @@ def test_nonfinite_gradient_stops_before_the_weights_change():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_episode_logprobs_with_uneven_ranks_under_torchrun(tmp_path):
     """Two CPU ranks holding 7 and 1 episodes: episode_logprobs and train_on pad the passes of the smaller rank
     (it hung before), and the log-probs and the update equal one process's on all 8. The group is the one init_dist
@@ -168,6 +169,7 @@ def test_episode_logprobs_with_uneven_ranks_under_torchrun(tmp_path):
         torch.testing.assert_close(b["state"][k], a["state"][k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_nccl_like_group_refuses_cpu_tensors_as_nccl_does(tmp_path):
     """The emulation above is faithful: the bare NCCL group that init_dist started before (every GPU run died at its
     first update, in train_on's all_reduce_max of a CPU scalar) fails the same way here."""

@@ -115,6 +115,7 @@ def test_micro_batches_respect_the_sequence_and_token_budgets():
     assert len(acl.step.micro_batches(eps, 16)) == 3    # no token budget: only the count splits (41 -> 16 + 16 + 9)
 
 
+@pytest.mark.slow
 def test_fsdp2_two_cpu_ranks_match_one_process(tmp_path):
     """One GRPO update under torchrun --nproc_per_node=2 (FSDP2, gloo) = the same update in one process."""
     import dist_grpo
@@ -152,6 +153,7 @@ def run_cli(args, cwd=ROOT):
                           text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.slow
 def test_sequential_run_end_to_end_resume_and_skip(micro_base, tmp_path, monkeypatch, dead_tag):
     runs = str(tmp_path / "runs")
     args = ["--init", micro_base, "--runs", runs, "--curriculum", "math,search", *FAST]
@@ -285,18 +287,19 @@ def test_group_and_token_limits_per_domain(micro_base, tmp_path):
     pytest.param(["--wandb", "aclarena"], "--wandb needs the wandb package",
                  marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")),
 ])
-def test_bad_input_stops_before_writing(micro_base, tmp_path, bad, msg):
+def test_bad_input_stops_before_writing(micro_base, tmp_path, bad, msg, call):
     runs = str(tmp_path / "runs")
     args = ["--init", micro_base, "--runs", runs, "--curriculum", "math,search", *FAST] + bad
-    r = run_cli(args)
+    r = call(train_seq.main, args)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], r.stderr
     assert not os.path.exists(runs)
 
 
-def test_bad_data_for_the_last_stage_refuses_before_the_first_trains(micro_base, tmp_path):
+def test_bad_data_for_the_last_stage_refuses_before_the_first_trains(micro_base, tmp_path, call):
     runs = str(tmp_path / "runs")
+    run_cli = lambda args: call(train_seq.main, args)   # noqa: E731  (in this process: no fresh Python per refusal)
     r = run_cli(["--init", micro_base, "--runs", runs, "--curriculum", "math,if", *FAST, "--if-data",
                  str(tmp_path / "missing.jsonl")])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "if: " in r.stderr
@@ -317,12 +320,12 @@ def test_bad_data_for_the_last_stage_refuses_before_the_first_trains(micro_base,
     ("--math-data", "math.parquet", "not a parquet file", "cannot load"),
     ("--if-data", "empty_dir", None, "no .jsonl/.json/.parquet/.csv files in"),
 ])
-def test_a_malformed_data_file_stops_in_one_line(micro_base, tmp_path, flag, name, content, reason):
+def test_a_malformed_data_file_stops_in_one_line(micro_base, tmp_path, flag, name, content, reason, call):
     """One line naming the file, the row when known, and the reason; the datasets library's progress bars and
     logged errors stay out of it."""
     path = tmp_path / name
     path.mkdir() if content is None else path.write_text(content)
-    r = run_cli(["--init", micro_base, "--runs", str(tmp_path / "runs"), "--curriculum", flag[2:-5], *FAST, flag,
+    r = call(train_seq.main, ["--init", micro_base, "--runs", str(tmp_path / "runs"), "--curriculum", flag[2:-5], *FAST, flag,
                  str(path)])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and reason in r.stderr and name in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()
@@ -369,6 +372,7 @@ def test_a_finite_blow_up_stops_and_saves_nothing(tmp_path):
     assert not os.path.exists(os.path.join(runs, "seq", "1-math", "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_a_kill_during_the_inrun_evaluation_is_redone_on_restart(micro_base, tmp_path, monkeypatch):
     runs = str(tmp_path / "runs")
     args = ["--init", micro_base, "--runs", runs, "--curriculum", "if", *FAST]
@@ -430,6 +434,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(micro_base, tmp_path, mon
     assert not os.path.exists(os.path.join(runs, "seq", "2-search"))
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_four_stages_with_a_slow_writer(micro_base, tmp_path):
     """The README's torchrun line, the four stages under torchrun on 2 CPU ranks: FSDP2 policy, an hf engine per rank refreshed by the weight push, RFT,
     GRPO, the checkpoint gathered to rank 0, the evaluation on rank 0; every checkpoint write on rank 0 takes 4 s
