@@ -38,40 +38,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from acl.common import (
-    barrier,
-    check_output,
-    check_run_files,
-    drop_train_state,
-    full_params,
-    identity,
-    init_dist,
-    is_checkpoint,
-    load_policy,
-    mark_diverged,
-    preset_parser,
-    print0,
-    rank,
-    read_meta,
-    remove_leftovers,
-    run_files,
-    save_checkpoint,
-    save_json,
-    seed_all,
-    shard,
-    shard_device,
-    sharded,
-    teardown,
-    usage_exit,
-    world_size,
-    write_atomically,
-    write_meta,
-)
+from acl import common
 from acl.engine import HFBackend, make_backend
 from acl.routing import FORMAT, Router, experts_of, prompt_features
 from acl.scale import dry_run
-from acl.step import SAVE_DTYPES, add_scale_flags, add_step_flags, check_shared_flags
-from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
+from acl.step import SAVE_DTYPES, add_training_flags, check_shared_flags
+from envs import DOMAINS, env_options, load_envs, parse_domains, require_real_data
 from envs.base import UsageError
 from envs.rollout import ServiceError
 from train_seq import add_grpo_flags, check_grpo_flags, grpo, grpo_recipe, stage_args
@@ -132,13 +104,13 @@ def save_adapter(model, out: str, meta: dict):
     """The adapter as a standard peft directory (adapter_config.json, adapter_model.safetensors) plus acl_meta.json,
     written atomically; the adapter's weights only, never the backbone. Every rank calls it (each weight is
     all-gathered under FSDP2); rank 0 writes, and every rank waits until it has."""
-    sd = dict(full_params(model, trainable_only=True))
-    if rank() == 0:
+    sd = dict(common.full_params(model, trainable_only=True))
+    if common.rank() == 0:
         def write(tmp):
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-            write_meta(tmp, dict(meta, adapter_bytes=os.path.getsize(os.path.join(tmp, "adapter_model.safetensors"))))
-        write_atomically(out, write)
-    barrier()   # the other ranks read it next (the router's features, the export): not before it exists
+            common.write_meta(tmp, dict(meta, adapter_bytes=os.path.getsize(os.path.join(tmp, "adapter_model.safetensors"))))
+        common.write_atomically(out, write)
+    common.barrier()   # the other ranks read it next (the router's features, the export): not before it exists
 
 
 def expert_backend(a, tok, policy, device, live: str):
@@ -152,17 +124,17 @@ def expert_backend(a, tok, policy, device, live: str):
         backend, _ = make_backend("vllm", tok, a.backbone, gen_batch=a.gen_batch, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
                                   max_tokens=max(a.max_tokens_by_domain.values()), seed=a.seed,
                                   max_lora_rank=a.lora_rank)
-        mine = os.path.join(live, f"rank{rank()}")                 # each rank its own engine's copy
+        mine = os.path.join(live, f"rank{common.rank()}")                 # each rank its own engine's copy
         push = functools.partial(push_lora_dir, path=mine)
         push(backend, policy)
         return backend, push, mine
-    if not sharded():
+    if not common.sharded():
         return HFBackend(policy, tok, a.gen_batch), push_weights, None
-    engine, _ = load_policy(a.backbone, device, a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
+    engine, _ = common.load_policy(a.backbone, device, a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
     engine = with_adapter(engine, a).eval()
 
     def push(backend, policy):
-        backend.load_weights(full_params(policy, trainable_only=True))   # the adapter only
+        backend.load_weights(common.full_params(policy, trainable_only=True))   # the adapter only
     backend = HFBackend(engine, tok, a.gen_batch)
     push(backend, policy)
     return backend, push, None
@@ -171,7 +143,7 @@ def expert_backend(a, tok, policy, device, live: str):
 def push_lora_dir(backend, policy, path: str):
     """The vLLM weight push of an expert: its adapter written to the directory `path` (the adapter only: a few MiB
     at 8B), then served under a new LoRA id (VLLMBackend.refresh_lora), so the next rollouts sample the update."""
-    policy.save_pretrained(path, state_dict=dict(full_params(policy, trainable_only=True)), safe_serialization=True)
+    policy.save_pretrained(path, state_dict=dict(common.full_params(policy, trainable_only=True)), safe_serialization=True)
     backend.refresh_lora(path)
 
 
@@ -188,17 +160,17 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
     out = os.path.join(a.out, "experts", domain)
     name = f"mle/{domain}"
     t0 = time.time()
-    seed_all(a.seed + i)                                        # the adapter's initialisation too
-    backbone, tok = load_policy(a.backbone, shard_device(device), a.attn, a.grad_ckpt)
+    common.seed_all(a.seed + i)                                        # the adapter's initialisation too
+    backbone, tok = common.load_policy(a.backbone, common.shard_device(device), a.attn, a.grad_ckpt)
     policy = with_adapter(backbone, a)
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in policy.parameters())
-    print0(f"[{name}] LoRA rank {a.lora_rank} alpha {a.lora_alpha} on {','.join(a.lora_targets)}: {n_train:,} trainable "
+    common.print0(f"[{name}] LoRA rank {a.lora_rank} alpha {a.lora_alpha} on {','.join(a.lora_targets)}: {n_train:,} trainable "
            f"of {n_all:,} parameters ({100 * n_train / n_all:.2f}%)")
-    policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     backend, push, adapter = expert_backend(a, tok, policy, device, out + ".live")
     ref = AdapterOff(policy) if a.kl_coef > 0 else None
-    resume_path = run_files(out)[0]
+    resume_path = common.run_files(out)[0]
     rec = recipe(a, domain)
     grpo(policy, tok, backend, env, domain, a, name, a.steps_by_domain[domain], resume_path, ref, push=push,
          adapter=adapter, out=out, rec=rec)
@@ -207,11 +179,11 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
                 config={k: v for k, v in vars(a).items() if k != "env_opts"} | dict(env_opts=a.env_opts),
                 seconds=round(time.time() - t0, 1))
     save_adapter(policy, out, meta)
-    if rank() == 0:
-        drop_train_state(out)
+    if common.rank() == 0:
+        common.drop_train_state(out)
         shutil.rmtree(out + ".live", ignore_errors=True)        # the vLLM push's adapter copies, made by this run
-        print0(f"[{name}] saved {out} ({read_meta(out)['adapter_bytes'] / 2**20:.2f} MiB) in {time.time() - t0:.0f}s")
-    return read_meta(out) if rank() == 0 else meta
+        common.print0(f"[{name}] saved {out} ({common.read_meta(out)['adapter_bytes'] / 2**20:.2f} MiB) in {time.time() - t0:.0f}s")
+    return common.read_meta(out) if common.rank() == 0 else meta
 
 
 # ----------------------------------------------------------------------------- routing
@@ -221,7 +193,7 @@ def train_router(a, envs, device) -> dict:
     """--router learned: fit the router on --router-prompts train prompts per domain (full-batch AdamW, cross-entropy,
     --router-steps steps), report its accuracy on every domain's test and ood prompts, save <out>/router.pt."""
     t0 = time.time()
-    model, tok = load_policy(a.backbone, device, a.attn)
+    model, tok = common.load_policy(a.backbone, device, a.attn)
     model.eval()
     xs, ys = [], []
     for j, d in enumerate(a.domains):
@@ -250,20 +222,20 @@ def train_router(a, envs, device) -> dict:
                 acc[f"{split}/{d}"] = (pred == j).float().mean().item()
         acc[split] = hits / max(n, 1)
     save = dict(state=router.state_dict(), domains=a.domains, dim=x.size(1), accuracy=acc, prompts=a.router_prompts,
-                steps=a.router_steps, seed=a.seed, backbone_id=identity(a.backbone), final_loss=loss.item(),
+                steps=a.router_steps, seed=a.seed, backbone_id=common.identity(a.backbone), final_loss=loss.item(),
                 seconds=round(time.time() - t0, 1))
     from acl.common import write_file_atomically
     write_file_atomically(os.path.join(a.out, "router.pt"), lambda tmp: torch.save(save, tmp))
-    print0(f"[mle] learned router: train accuracy {acc['train']:.3f}, test {acc['test']:.3f}, ood {acc['ood']:.3f} "
+    common.print0(f"[mle] learned router: train accuracy {acc['train']:.3f}, test {acc['test']:.3f}, ood {acc['ood']:.3f} "
            f"({a.router_prompts} prompts per domain and split, {time.time() - t0:.0f}s) -> {a.out}/router.pt")
     return acc
 
 
 def update_meta(path, extra: dict):
     """<path>/acl_meta.json with `extra` merged in, written only when that changes it."""
-    meta = read_meta(path)
+    meta = common.read_meta(path)
     if meta | extra != meta:
-        save_json(os.path.join(path, "acl_meta.json"), meta | extra)
+        common.save_json(os.path.join(path, "acl_meta.json"), meta | extra)
 
 
 def export_merged(a):
@@ -273,22 +245,22 @@ def export_merged(a):
     from peft import PeftModel
     for d, e in experts_of(a.out).items():
         dest = os.path.join(a.export_out, d)
-        made_from = dict(stage=d, parent_id=identity(a.backbone), expert_id=identity(e), save_dtype=a.save_dtype)
-        if {k: read_meta(dest).get(k) for k in made_from} == made_from:
-            print0(f"[mle] {dest} kept (made from this backbone and expert, {a.save_dtype})")
+        made_from = dict(stage=d, parent_id=common.identity(a.backbone), expert_id=common.identity(e), save_dtype=a.save_dtype)
+        if {k: common.read_meta(dest).get(k) for k in made_from} == made_from:
+            common.print0(f"[mle] {dest} kept (made from this backbone and expert, {a.save_dtype})")
             continue
-        model, tok = load_policy(a.backbone, torch.device("cpu"), a.attn)
+        model, tok = common.load_policy(a.backbone, torch.device("cpu"), a.attn)
         merged = PeftModel.from_pretrained(model, e).merge_and_unload()
-        save_checkpoint(dest, merged, tok, dict(made_from, method="mle-merged", parent=os.path.abspath(a.backbone),
-                                                expert=os.path.abspath(e), recipe=read_meta(e).get("recipe")),
+        common.save_checkpoint(dest, merged, tok, dict(made_from, method="mle-merged", parent=os.path.abspath(a.backbone),
+                                                expert=os.path.abspath(e), recipe=common.read_meta(e).get("recipe")),
                         dtype=SAVE_DTYPES[a.save_dtype])
-        print0(f"[mle] merged {e} into {a.backbone} -> {dest}")
+        common.print0(f"[mle] merged {e} into {a.backbone} -> {dest}")
 
 
 # ----------------------------------------------------------------------------- command line
 
 def get_args(argv=None):
-    p, name, preset = preset_parser(PRESETS, __doc__, argv)
+    p, name, preset = common.preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--backbone", default=None, help="frozen backbone checkpoint (default <runs>/sdft)")
     p.add_argument("--domains", default=",".join(DOMAINS), help="the experts, trained in this order")
     p.add_argument("--out", default=None, help="MLE directory (default <runs>/mle)")
@@ -304,11 +276,7 @@ def get_args(argv=None):
     p.add_argument("--export", default=None, choices=["merged"], help="also write one merged full checkpoint per "
                                                                       "domain (backbone + expert)")
     p.add_argument("--export-out", default=None, help="--export's directory (default <out>-merged)")
-    add_scale_flags(p, name)
-    add_step_flags(p, name)
-    add_data_flags(p, train=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_training_flags(p, name)
     return p.parse_args(argv)
 
 
@@ -331,21 +299,21 @@ def check_args(a):
     a.export_out = a.export_out or a.out.rstrip(os.sep) + "-merged"
     if a.dry_run:
         return a
-    if not is_checkpoint(a.backbone):
+    if not common.is_checkpoint(a.backbone):
         raise UsageError(f"--backbone checkpoint not found: {a.backbone} (the SDFT student: python sdft.py)")
     if a.preset != "tiny":
         require_real_data(a, a.domains)
     a.env_opts = env_options(a)
-    check_output(a.out, "mle", inputs=[a.backbone], overwrite=True)
-    meta = read_meta(a.out)
-    if meta and (meta.get("backbone"), meta.get("backbone_id", identity(a.backbone))) != \
-            (os.path.abspath(a.backbone), identity(a.backbone)):
+    common.check_output(a.out, "mle", inputs=[a.backbone], overwrite=True)
+    meta = common.read_meta(a.out)
+    if meta and (meta.get("backbone"), meta.get("backbone_id", common.identity(a.backbone))) != \
+            (os.path.abspath(a.backbone), common.identity(a.backbone)):
         raise UsageError(f"--out {a.out} holds experts on another backbone ({meta.get('backbone')}, or the same path "
                          f"since replaced); use another --out")
     for d in a.domains:
-        check_run_files(os.path.join(a.out, "experts", d), recipe(stage_args(a, d), d))
+        common.check_run_files(os.path.join(a.out, "experts", d), recipe(stage_args(a, d), d))
     for d in a.domains if a.export else []:
-        check_output(os.path.join(a.export_out, d), "mle-merged", inputs=[a.backbone, a.out], overwrite=True,
+        common.check_output(os.path.join(a.export_out, d), "mle-merged", inputs=[a.backbone, a.out], overwrite=True,
                      flag="--export-out")
     return a
 
@@ -355,65 +323,59 @@ def main(argv=None):
     try:
         a = check_args(a)
         if a.dry_run:
-            arch = a.backbone if is_checkpoint(a.backbone) else PRESETS[a.preset]["arch"]   # an SDFT backbone's shape
+            arch = a.backbone if common.is_checkpoint(a.backbone) else PRESETS[a.preset]["arch"]   # an SDFT backbone's shape
             dry_run(a, arch, a.world_size, a.micro_batch, a.max_tokens,
                     lora=dict(rank=a.lora_rank, targets=[TARGETS[t] for t in a.lora_targets]))
             return
         envs = load_envs(a.domains, a.env_opts, a.seed)
     except UsageError as e:
-        usage_exit(e)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout, bf16=a.bf16)
+        common.usage_exit(e)
+    device = common.start_run(a, f"mle: experts {', '.join(a.domains)} on the frozen backbone {a.backbone} -> {a.out}",
+                       [os.path.join(a.out, "experts", d) for d in a.domains])
     t0 = time.time()
-    print0(f"mle: experts {', '.join(a.domains)} on the frozen backbone {a.backbone} -> {a.out}, {world_size()} "
-           f"process(es)\nresolved config: {vars(a)}")
-    if rank() == 0:
-        remove_leftovers([os.path.join(a.out, "experts", d) for d in a.domains])
-        top = dict(method="mle", format=FORMAT, backbone=os.path.abspath(a.backbone), backbone_id=identity(a.backbone),
+    if common.rank() == 0:
+        top = dict(method="mle", format=FORMAT, backbone=os.path.abspath(a.backbone), backbone_id=common.identity(a.backbone),
                    domains=a.domains, router="tag",
                    experts={d: os.path.join("experts", d) for d in a.domains})
         os.makedirs(a.out, exist_ok=True)
         update_meta(a.out, top)
-    if sharded():
+    if common.sharded():
         dist.barrier()
     done = {}
     for i, d in enumerate(a.domains, 1):
         out = os.path.join(a.out, "experts", d)
-        if read_meta(out).get("recipe") == recipe(stage_args(a, d), d):
-            print0(f"[mle/{d}] finished before, skipping")
-            done[d] = read_meta(out)
+        if common.read_meta(out).get("recipe") == recipe(stage_args(a, d), d):
+            common.print0(f"[mle/{d}] finished before, skipping")
+            done[d] = common.read_meta(out)
             continue
         try:
             done[d] = train_expert(a, i, d, envs[d], device)
         except FloatingPointError as e:
-            if rank() == 0:
-                mark_diverged(out, str(e))
-            sys.exit(f"error: {e}; nothing non-finite was saved; the experts before it are kept")
+            common.stop_diverged(out, f"{e}; nothing non-finite was saved; the experts before it are kept", e)
         except ServiceError as e:
             sys.exit(f"error: {e}; stopped before training on it; its resume state (if any) is kept")
-    if rank() == 0:
+    if common.rank() == 0:
         summary = {d: dict(trainable_params=m.get("trainable_params"), adapter_bytes=m.get("adapter_bytes"),
                            seconds=m.get("seconds")) for d, m in done.items()}
         update_meta(a.out, dict(expert_summary=summary, finished=True))
         for d, s in summary.items():
-            print0(f"[mle] {d}: {s['trainable_params']:,} trainable parameters, {s['adapter_bytes'] or 0:,} bytes")
+            common.print0(f"[mle] {d}: {s['trainable_params']:,} trainable parameters, {s['adapter_bytes'] or 0:,} bytes")
         # a restart keeps the router and the merged exports it made before from the same backbone and experts (by
         # identity) with the same settings, so that the evaluations made after them stay valid
         if a.router == "learned":
             saved = os.path.join(a.out, "router.pt")
             old = torch.load(saved, weights_only=True) if os.path.isfile(saved) else {}
             if [old.get(k) for k in ("domains", "prompts", "steps", "seed", "backbone_id")] == \
-                    [a.domains, a.router_prompts, a.router_steps, a.seed, identity(a.backbone)]:
-                print0(f"[mle] learned router: {saved} kept (fit on this backbone with these settings)")
+                    [a.domains, a.router_prompts, a.router_steps, a.seed, common.identity(a.backbone)]:
+                common.print0(f"[mle] learned router: {saved} kept (fit on this backbone with these settings)")
             else:   # the fit's settings in the meta too: a refit is another MLE directory (common.identity)
                 acc = train_router(a, envs, device)
-                fit = dict(prompts=a.router_prompts, steps=a.router_steps, seed=a.seed, backbone_id=identity(a.backbone))
+                fit = dict(prompts=a.router_prompts, steps=a.router_steps, seed=a.seed, backbone_id=common.identity(a.backbone))
                 update_meta(a.out, dict(router_accuracy=acc, router_fit=fit))
         if a.export:
             export_merged(a)
-    print0(f"done in {time.time() - t0:.0f}s")
-    teardown()
+    common.print0(f"done in {time.time() - t0:.0f}s")
+    common.teardown()
 
 
 if __name__ == "__main__":

@@ -41,42 +41,13 @@ import time
 
 import torch
 
-from acl.common import (
-    Metrics,
-    all_reduce_sum,
-    check_output,
-    check_run_files,
-    eta,
-    gather_mean,
-    identity,
-    init_dist,
-    is_checkpoint,
-    load_policy,
-    load_train_state,
-    mark_diverged,
-    preset_parser,
-    print0,
-    rank,
-    read_meta,
-    remove_leftovers,
-    run_files,
-    save_final,
-    save_train_state,
-    seed_all,
-    shard,
-    shard_device,
-    teardown,
-    tokenizer_hash,
-    usage_exit,
-    world_size,
-)
+from acl import common
 from acl.engine import make_backend, push_weights, wake_and_push
 from acl.scale import dry_run, init_config
 from acl.step import (
     SAVE_DTYPES,
     Cursor,
-    add_scale_flags,
-    add_step_flags,
+    add_training_flags,
     check_shared_flags,
     check_user_errors,
     clipped_surrogate,
@@ -85,7 +56,7 @@ from acl.step import (
     teacher_scores,
     train_on,
 )
-from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, require_real_data
+from envs import DOMAINS, env_options, load_envs, parse_domains, require_real_data
 from envs.base import UsageError
 from envs.rollout import ServiceError, rollout
 
@@ -168,7 +139,7 @@ def fkl_coef_at(a, step: int) -> float:
 # ----------------------------------------------------------------------------- command line
 
 def get_args(argv=None):
-    p, name, preset = preset_parser(PRESETS, __doc__, argv)
+    p, name, preset = common.preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--domains", default=",".join(DOMAINS), help="domains, in the sequential run's curriculum order")
     p.add_argument("--student", default=None, help="starting checkpoint (default Seq-Final: the last stage of the curriculum the sequential run in "
                    "--runs recorded)")
@@ -198,11 +169,7 @@ def get_args(argv=None):
     p.add_argument("--save-every", type=int, default=preset["save_every"], help="steps between resume states (0: never)")
     p.add_argument("--out", default=None, help="student checkpoint (default <runs>/mmopd)")
     p.add_argument("--overwrite", action="store_true", help="replace an mmopd checkpoint made with another recipe")
-    add_scale_flags(p, name)
-    add_step_flags(p, name)
-    add_data_flags(p, train=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_training_flags(p, name)
     return p.parse_args(argv)
 
 
@@ -226,7 +193,7 @@ def seq_final(runs: str, domains: list) -> str:
     e-commerce into the four-stage Seq-Final; the last of --domains would silently be Seq-Ecom); before any stage
     exists, <runs>/seq/<n>-<last> of --domains (the error then names it)."""
     for p in sorted(glob.glob(os.path.join(runs, "seq", "[0-9]*-*"))):
-        meta = read_meta(p)
+        meta = common.read_meta(p)
         if meta.get("method") == "seq" and meta.get("curriculum"):
             c = meta["curriculum"]
             return os.path.join(runs, "seq", f"{len(c)}-{c[-1]}")
@@ -252,21 +219,21 @@ def check_args(a):
             raise UsageError(msg)
     if a.dry_run:   # Seq-Final has the base's architecture: --dry-run needs no trained run
         a.teacher_paths = {}
-        a.arch = a.student if is_checkpoint(a.student) else PRESETS[a.preset]["base"]
+        a.arch = a.student if common.is_checkpoint(a.student) else PRESETS[a.preset]["base"]
         vocab = init_config(a.arch).vocab_size
         if a.top_q > vocab:
             raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
         return a
     if a.preset != "tiny":
         require_real_data(a, a.domains)
-    if not is_checkpoint(a.student):
+    if not common.is_checkpoint(a.student):
         raise UsageError(f"--student checkpoint not found: {a.student} (the default is Seq-Final: python train_seq.py)")
     a.teacher_paths = teacher_paths(a)
     for d, path in a.teacher_paths.items():
-        if not is_checkpoint(path):
+        if not common.is_checkpoint(path):
             how = "python train_seq.py --oracle" if a.teachers == "oracle" else "python train_seq.py"
             raise UsageError(f"no teacher for {d}: {path} is not a checkpoint ({how}, or --teachers {d}=DIR)")
-    vocab, tok = init_config(a.student).vocab_size, tokenizer_hash(a.student)
+    vocab, tok = init_config(a.student).vocab_size, common.tokenizer_hash(a.student)
     if a.top_q > vocab:
         raise UsageError(f"--top-q {a.top_q} is larger than the vocabulary ({vocab})")
     checked = {a.student}   # each checkpoint once (the stage teachers include Seq-Final, the student itself)
@@ -274,15 +241,15 @@ def check_args(a):
         if path in checked:
             continue
         checked.add(path)
-        if tokenizer_hash(path) != tok:
+        if common.tokenizer_hash(path) != tok:
             raise UsageError(f"the {d} teacher {path} has another tokenizer than --student {a.student}: its "
                              f"distributions are over other tokens")
         t_vocab = init_config(path).vocab_size
         if t_vocab != vocab:
             raise UsageError(f"the {d} teacher {path} has a vocabulary of {t_vocab}, the student {vocab}")
     a.tokenizer = tok
-    check_output(a.out, "mmopd", inputs=[a.student, *a.teacher_paths.values()], overwrite=True)
-    if read_meta(a.out) and read_meta(a.out).get("recipe") != recipe(a) and not a.overwrite:
+    common.check_output(a.out, "mmopd", inputs=[a.student, *a.teacher_paths.values()], overwrite=True)
+    if common.read_meta(a.out) and common.read_meta(a.out).get("recipe") != recipe(a) and not a.overwrite:
         raise UsageError(f"--out {a.out} holds an mmopd checkpoint made with another recipe; pass --overwrite to "
                          f"replace it")
     return a
@@ -293,9 +260,9 @@ def recipe(a) -> dict:
     keys = ("domains", "mix", "prompts", "group", "steps", "lr", "top_q", "alpha", "fkl_start", "fkl_coef",
             "fkl_warmup", "rkl_gate", "rkl_coef", "gate_entropy", "clip_low", "clip_high", "tis_cap", "agg", "grad_clip",
             "temperature", "max_tokens", "max_turn_tokens", "seed")
-    return dict({k: getattr(a, k) for k in keys}, student=os.path.abspath(a.student), student_id=identity(a.student),
+    return dict({k: getattr(a, k) for k in keys}, student=os.path.abspath(a.student), student_id=common.identity(a.student),
                 teachers={d: os.path.abspath(p) for d, p in a.teacher_paths.items()},
-                teacher_ids={d: identity(p) for d, p in a.teacher_paths.items()})
+                teacher_ids={d: common.identity(p) for d, p in a.teacher_paths.items()})
 
 
 # ----------------------------------------------------------------------------- main
@@ -310,31 +277,25 @@ def main(argv=None):
             return
         envs = load_envs(a.domains, env_options(a), a.seed)
         rec = recipe(a)
-        if read_meta(a.out).get("recipe") != rec:
-            check_run_files(a.out, rec, replace=a.overwrite)
+        if common.read_meta(a.out).get("recipe") != rec:
+            common.check_run_files(a.out, rec, replace=a.overwrite)
     except UsageError as e:
-        usage_exit(e)
-    if read_meta(a.out).get("recipe") == rec:
-        print0(f"[mmopd] {a.out} finished before with this recipe, nothing to do")
+        common.usage_exit(e)
+    if common.read_meta(a.out).get("recipe") == rec:
+        common.print0(f"[mmopd] {a.out} finished before with this recipe, nothing to do")
         return
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout, bf16=a.bf16)
+    device = common.start_run(a, f"mmopd: student {a.student}, teachers {a.teacher_paths} -> {a.out}", [a.out])
     t0 = time.time()
-    print0(f"mmopd: student {a.student}, teachers {a.teacher_paths} -> {a.out}, {world_size()} process(es)\n"
-           f"resolved config: {vars(a)}")
-    if rank() == 0:
-        remove_leftovers([a.out])
-    seed_all(a.seed)
-    policy, tok = load_policy(a.student, shard_device(device), a.attn, a.grad_ckpt)
-    policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    common.seed_all(a.seed)
+    policy, tok = common.load_policy(a.student, common.shard_device(device), a.attn, a.grad_ckpt)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     # the teachers: frozen, in eval mode, sharded like the student (bf16 weights with --bf16: 2 bytes per parameter
     # and rank share); one copy of a checkpoint that teaches several domains
     loaded, teachers = {}, {}
     for d, path in a.teacher_paths.items():
         if path not in loaded:
-            m, _ = load_policy(path, shard_device(device), a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
-            loaded[path] = shard(m.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.offload_teachers)
+            m, _ = common.load_policy(path, common.shard_device(device), a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
+            loaded[path] = common.shard(m.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.offload_teachers)
         teachers[d] = loaded[path]
     backend, _engine = make_backend(a.backend, tok, a.student, policy=policy, device=device, gen_batch=a.gen_batch,
                                     kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
@@ -343,17 +304,15 @@ def main(argv=None):
     train = {d: envs[d].tasks("train", seed=a.seed) for d in a.domains}
     cursors = {d: Cursor(len(train[d]), a.seed + 3 + k) for k, d in enumerate(a.domains)}
     quota = mix_quota(a.mix, {d: 1 for d in a.domains}, a.prompts)
-    resume_path = run_files(a.out)[0]
-    start, history = 0, []
-    if os.path.exists(resume_path):
-        extra = load_train_state(resume_path, policy, opt)
-        start, history = extra["step"], extra["history"]
+    resume_path = common.run_files(a.out)[0]
+    extra = common.resume_state(resume_path, policy, opt, "[mmopd]")
+    start, history = (extra["step"], extra["history"]) if extra else (0, [])
+    if extra:
         for d, pos in extra["cursors"].items():
             cursors[d].pos = pos
         push_weights(backend, policy)
-        print0(f"[mmopd] resumed at step {start} from {resume_path}")
-    metrics = Metrics(a.out, start, wandb=a.wandb, config=vars(a))
-    print0(f"[mmopd] {a.steps} steps of {a.prompts} prompts x {a.group} samples, per step {quota}")
+    metrics = common.Metrics(a.out, start, wandb=a.wandb, config=vars(a))
+    common.print0(f"[mmopd] {a.steps} steps of {a.prompts} prompts x {a.group} samples, per step {quota}")
     step_kw = dict(micro_batch=a.micro_batch, micro_tokens=a.micro_tokens, agg=a.agg, grad_clip=a.grad_clip,
                    temperature=a.temperature)
     t1 = time.time()
@@ -364,22 +323,22 @@ def main(argv=None):
             beta_f = fkl_coef_at(a, step)
             # ---- 1. the student samples (the environments run; their reward is only logged)
             tasks = [(d, train[d][j]) for d in a.domains for j in cursors[d].take(quota[d])]
-            mine = tasks[rank()::world_size()]
+            mine = tasks[common.rank()::common.world_size()]
             policy.eval()
             eps = rollout(backend, tok, [(envs[d], t) for d, t in mine], a.group, a.temperature,
                           max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens,
-                          seed=(a.seed * 1_000_003 + step) * 97 + rank())
+                          seed=(a.seed * 1_000_003 + step) * 97 + common.rank())
             check_user_errors(eps, a.max_user_errors, f"[mmopd] step {step}")   # never distil from a dead user's 0s
             t_gen = time.time() - ts
-            n_gen = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
+            n_gen = common.all_reduce_sum(float(sum(e.n_sampled for e in eps)))
             backend.sleep()
             # ---- 2. each episode to its own domain's teacher; a failed score drops the episode
             scores = route_to_teachers(teachers, eps, micro_batch=a.micro_batch, micro_tokens=a.micro_tokens, q=a.top_q,
                                        temperature=a.temperature)
             kept = [(e, s) for e, s in zip(eps, scores) if s is not None]
-            dropped = {d: int(all_reduce_sum(sum(1 for e, s in zip(eps, scores) if s is None and e.env == d)))
+            dropped = {d: int(common.all_reduce_sum(sum(1 for e, s in zip(eps, scores) if s is None and e.env == d)))
                        for d in a.domains}
-            if all_reduce_sum(len(kept)) == 0:
+            if common.all_reduce_sum(len(kept)) == 0:
                 raise TeacherFailure(f"every episode of step {step} was dropped (teachers' scores not finite: "
                                    f"{dropped}); stopping rather than training on nothing")
             # ---- 3. one update on the kept episodes
@@ -391,46 +350,44 @@ def main(argv=None):
                                 extras=x, gather="t_top_ids", **step_kw)
             wake_and_push(backend, lambda: push_weights(backend, policy))
             # ---- the log: per domain, token means over its agent tokens
-            n_all = all_reduce_sum(float(sum(e.n_sampled for e, _ in kept)))
+            n_all = common.all_reduce_sum(float(sum(e.n_sampled for e, _ in kept)))
             row = dict(step=step, loss=loss, beta_f=beta_f, grad_norm=st["grad_norm"], dropped=dropped, domains={})
             for d in a.domains:
-                n_d = all_reduce_sum(float(sum(e.n_sampled for e, _ in kept if e.env == d)))
+                n_d = common.all_reduce_sum(float(sum(e.n_sampled for e, _ in kept if e.env == d)))
                 if n_d == 0:
                     continue
                 r = {k: st[f"{k}@{d}"] * n_all / n_d for k in STATS}
                 r["fkl_gated"] = r["fkl"] / r["gate"] if r["gate"] > 0 else 0.0
-                r["reward"] = gather_mean([e.reward for e in eps if e.env == d])
+                r["reward"] = common.gather_mean([e.reward for e in eps if e.env == d])
                 r["dropped"] = dropped[d]
                 row["domains"][d] = r
             history.append(row)
             dt = time.time() - ts
             metrics.log(dict(row, gen_seconds=round(t_gen, 2), step_seconds=round(dt, 2),
                              gen_tok_s=round(n_gen / max(t_gen, 1e-9), 1)))
-            print0(f"[mmopd] step {step}/{a.steps} | loss {loss:+.4f} | beta_f {beta_f:.3f} | gen {t_gen:.1f}s "
-                   f"{n_gen / max(t_gen, 1e-9):.0f} tok/s | step {dt:.1f}s {all_reduce_sum(float(sum(len(e.token_ids) for e, _ in kept))) / dt:.0f} tok/s | "
-                   f"{eta(t1, step - start, a.steps - step)}")
+            common.print0(f"[mmopd] step {step}/{a.steps} | loss {loss:+.4f} | beta_f {beta_f:.3f} | gen {t_gen:.1f}s "
+                   f"{n_gen / max(t_gen, 1e-9):.0f} tok/s | step {dt:.1f}s {common.all_reduce_sum(float(sum(len(e.token_ids) for e, _ in kept))) / dt:.0f} tok/s | "
+                   f"{common.eta(t1, step - start, a.steps - step)}")
             for d in (d for d in a.domains if d not in row["domains"]):
-                print0(f"    {d:<9} no episode scored | dropped {dropped[d]}")
+                common.print0(f"    {d:<9} no episode scored | dropped {dropped[d]}")
             for d, r in row["domains"].items():
-                print0(f"    {d:<9} rkl {r['rkl']:+.4f} | fkl@gate {r['fkl_gated']:.4f} | gate {r['gate']:.3f} "
+                common.print0(f"    {d:<9} rkl {r['rkl']:+.4f} | fkl@gate {r['fkl_gated']:.4f} | gate {r['gate']:.3f} "
                        f"(gates disagree {r['disagree']:.3f}) | H teacher {r['t_ent']:.3f} student {r['s_ent']:.3f} | "
                        f"reward {r['reward']:.3f} | dropped {r['dropped']}")
             if a.save_every and step % a.save_every == 0 and step < a.steps:
-                save_train_state(resume_path, policy, opt, dict(step=step, history=history,
+                common.save_train_state(resume_path, policy, opt, dict(step=step, history=history,
                                                                 cursors={d: c.pos for d, c in cursors.items()}),
                                  recipe=rec)
         metrics.finish()
     except FloatingPointError as e:
-        if rank() == 0:
-            mark_diverged(a.out, str(e))
-        sys.exit(f"error: [mmopd] step {step}: {e}; nothing non-finite was saved")
+        common.stop_diverged(a.out, f"[mmopd] step {step}: {e}; nothing non-finite was saved", e)
     except (TeacherFailure, ServiceError) as e:
         sys.exit(f"error: [mmopd] {e}")
     meta = dict(method="mmopd", stage="mmopd", parent=os.path.abspath(a.student), curriculum_position=None,
                 step=a.steps, seed=a.seed, recipe=rec, teachers=rec["teachers"], tokenizer=a.tokenizer,
                 history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1))
-    save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
-    teardown()
+    common.save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
+    common.teardown()
 
 
 if __name__ == "__main__":

@@ -49,52 +49,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from acl.common import (
-    Metrics,
-    all_reduce_max,
-    all_reduce_sum,
-    check_output,
-    check_run_files,
-    check_writable,
-    eta,
-    identity,
-    init_dist,
-    is_checkpoint,
-    load_policy,
-    load_train_state,
-    mark_diverged,
-    preset_parser,
-    print0,
-    rank,
-    read_meta,
-    remove_leftovers,
-    run_files,
-    save_final,
-    save_train_state,
-    seed_all,
-    shard,
-    shard_device,
-    sharded,
-    teardown,
-    tokenizer_hash,
-    usage_exit,
-    world_size,
-    write_atomically,
-)
+from acl import common
 from acl.engine import make_backend
 from acl.scale import dry_run
 from acl.step import (
     SAVE_DTYPES,
     Cursor,
-    add_scale_flags,
-    add_step_flags,
+    add_training_flags,
     check_shared_flags,
     check_user_errors,
     mix_quota,
     parse_mix,
     train_on,
 )
-from envs import DOMAINS, add_data_flags, env_options, load_envs, parse_domains, per_domain, require_real_data
+from envs import DOMAINS, env_options, load_envs, parse_domains, per_domain, require_real_data
 from envs.base import EpisodeState, UsageError, read_jsonl, valid_tool_calls
 from envs.rollout import Episode, ServiceError, episode_record, rollout
 
@@ -177,9 +145,9 @@ def pool_episode(r: dict) -> Episode:
 
 def gather(records: list) -> list:
     """Every rank's records, on every rank."""
-    if not sharded():
+    if not common.sharded():
         return records
-    parts = [None] * world_size()
+    parts = [None] * common.world_size()
     dist.all_gather_object(parts, records)
     return [r for p in parts for r in p]
 
@@ -194,16 +162,16 @@ def collect(a, envs, device) -> tuple:
         train = env.tasks("train", seed=a.seed)
         tasks = [train[j] for j in Cursor(len(train), a.seed + 2).take(a.prompts_by_domain[d])]
         order = {t.id: i for i, t in enumerate(tasks)}
-        mine = tasks[rank()::world_size()]
+        mine = tasks[common.rank()::common.world_size()]
         backend, engine = make_backend(a.backend, a.tok, oracle, device=device, gen_batch=a.gen_batch,
                                        kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util,
                                        max_tokens=a.max_tokens, seed=a.seed, attn=a.attn)
         t_gen = time.time()   # the sampling alone (loading the oracle and the train prompts is not the backend's speed)
         eps = rollout(backend, a.tok, [(env, t) for t in mine], a.group, a.temperature, max_tokens=a.max_tokens,
-                      max_turn_tokens=a.max_turn_tokens, seed=a.seed * 7919 + rank())
+                      max_turn_tokens=a.max_turn_tokens, seed=a.seed * 7919 + common.rank())
         check_user_errors(eps, a.max_user_errors, f"[sdft] collecting {d}")   # a dead user's episodes all fail
-        dt, gen = time.time() - t0, all_reduce_max(time.time() - t_gen)
-        n_tok = all_reduce_sum(float(sum(e.n_sampled for e in eps)))
+        dt, gen = time.time() - t0, common.all_reduce_max(time.time() - t_gen)
+        n_tok = common.all_reduce_sum(float(sum(e.n_sampled for e in eps)))
         backend.sleep()   # vLLM: the one shared engine gives its memory back for the filter and the student's SFT
         del backend, engine
         counts, records = dict.fromkeys(FILTERS, 0), []
@@ -214,11 +182,11 @@ def collect(a, envs, device) -> tuple:
             records += [pool_record(e, t, pass_rate) for e in kept]
             counts = {k: counts[k] + c[k] for k in FILTERS}
         records = sorted(gather(records), key=lambda r: (order[r["task_id"]], r["sample"]))
-        funnel = dict(generated=len(tasks) * a.group, **{k: int(all_reduce_sum(v)) for k, v in counts.items()},
+        funnel = dict(generated=len(tasks) * a.group, **{k: int(common.all_reduce_sum(v)) for k, v in counts.items()},
                       prompts=len(tasks), prompts_kept=len({r["task_id"] for r in records}),
                       sampled_tokens=int(n_tok), seconds=round(dt, 1), gen_seconds=round(gen, 1),
                       tok_per_s=round(n_tok / max(gen, 1e-9), 1))
-        print0(f"[sdft] {d}: {len(tasks)} prompts x {a.group} from {oracle}: {funnel['correct']} correct, "
+        common.print0(f"[sdft] {d}: {len(tasks)} prompts x {a.group} from {oracle}: {funnel['correct']} correct, "
                f"{funnel['distinct']} kept | {n_tok / max(gen, 1e-9):.0f} sampled tok/s ({gen:.0f}s sampling, "
                f"{dt:.0f}s in all)")
         pools[d], funnels[d] = records, funnel
@@ -226,10 +194,10 @@ def collect(a, envs, device) -> tuple:
 
 
 def print_funnel(funnels: dict):
-    print0("| domain | generated | " + " | ".join(FILTERS) + " | kept | prompts with a kept trace |")
-    print0("|---" * (len(FILTERS) + 4) + "|")
+    common.print0("| domain | generated | " + " | ".join(FILTERS) + " | kept | prompts with a kept trace |")
+    common.print0("|---" * (len(FILTERS) + 4) + "|")
     for d, f in funnels.items():
-        print0(f"| {d} | {f['generated']} | " + " | ".join(str(f[k]) for k in FILTERS) +
+        common.print0(f"| {d} | {f['generated']} | " + " | ".join(str(f[k]) for k in FILTERS) +
                f" | {f['distinct']} | {f['prompts_kept']}/{f['prompts']} ({f['prompts_kept'] / max(1, f['prompts']):.2f}) |")
 
 
@@ -244,7 +212,7 @@ def write_pool(path: str, pools: dict, meta: dict):
                     f.write(json.dumps(r, ensure_ascii=False) + "\n")
         with open(os.path.join(tmp, "pool.json"), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
-    write_atomically(path, write)
+    common.write_atomically(path, write)
 
 
 def pool_meta(path: str) -> dict:
@@ -324,7 +292,7 @@ def lr_at(a, step: int, steps: int) -> float:
 # ----------------------------------------------------------------------------- command line
 
 def get_args(argv=None):
-    p, name, preset = preset_parser(PRESETS, __doc__, argv)
+    p, name, preset = common.preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--domains", default=",".join(DOMAINS), help="domains, in curriculum order (staged follows it)")
     p.add_argument("--oracles", default=None, help="domain=DIR,... (default <runs>/oracle/<domain>)")
     p.add_argument("--pool", default=None, metavar="DIR", help="train on this pool instead of collecting one")
@@ -347,11 +315,7 @@ def get_args(argv=None):
     p.add_argument("--save-every", type=int, default=preset["save_every"], help="steps between resume states (0: never)")
     p.add_argument("--out", default=None, help="student checkpoint (default <runs>/sdft)")
     p.add_argument("--overwrite", action="store_true", help="replace an sdft checkpoint made with another recipe")
-    add_scale_flags(p, name)
-    add_step_flags(p, name)
-    add_data_flags(p, train=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_training_flags(p, name)
     return p.parse_args(argv)
 
 
@@ -371,7 +335,7 @@ def check_args(a):
                      f"--mix balanced needs --batch divisible by the {len(a.domains)} domains")]:
         if not ok:
             raise UsageError(msg)
-    if not is_checkpoint(a.student) and not a.dry_run:
+    if not common.is_checkpoint(a.student) and not a.dry_run:
         raise UsageError(f"--student checkpoint not found: {a.student}")
     if a.dry_run:
         return a
@@ -388,21 +352,21 @@ def check_args(a):
         tokenizers = {f"the pool {a.pool}": meta.get("tokenizer")}
     else:
         for d, path in a.oracles.items():
-            if not is_checkpoint(path):
+            if not common.is_checkpoint(path):
                 raise UsageError(f"no oracle for {d}: {path} is not a checkpoint (train it with python train_seq.py "
                                  f"--oracle, or pass --oracles {d}=DIR, or --pool DIR)")
-        tokenizers = {f"the {d} oracle {p}": tokenizer_hash(p) for d, p in a.oracles.items()}
-    a.tokenizer = tokenizer_hash(a.student)   # the oracles' too, once checked: the pool records it
+        tokenizers = {f"the {d} oracle {p}": common.tokenizer_hash(p) for d, p in a.oracles.items()}
+    a.tokenizer = common.tokenizer_hash(a.student)   # the oracles' too, once checked: the pool records it
     for what, h in tokenizers.items():
         if h != a.tokenizer:
             raise UsageError(f"--student {a.student} has another tokenizer than {what}: its token ids would mean "
                              f"other tokens")
-    check_output(a.out, "sdft", inputs=[a.student, *a.oracles.values(), a.pool_dir], overwrite=True)
-    if read_meta(a.out) and read_meta(a.out).get("recipe") != recipe(a) and not a.overwrite:
+    common.check_output(a.out, "sdft", inputs=[a.student, *a.oracles.values(), a.pool_dir], overwrite=True)
+    if common.read_meta(a.out) and common.read_meta(a.out).get("recipe") != recipe(a) and not a.overwrite:
         raise UsageError(f"--out {a.out} holds an sdft checkpoint made with another recipe; pass --overwrite to "
                          f"replace it")
     if not a.pool:
-        check_writable(a.pool_dir, "--pool")
+        common.check_writable(a.pool_dir, "--pool")
         if os.path.exists(os.path.join(a.pool_dir, "pool.json")) and pool_meta(a.pool_dir).get("recipe") != pool_recipe(a):
             raise UsageError(f"{a.pool_dir} holds a pool collected with another recipe: train on it with --pool "
                              f"{a.pool_dir}, or collect under another --runs")
@@ -412,7 +376,7 @@ def check_args(a):
 def pool_recipe(a) -> dict:
     """What a collected pool depends on (a rerun reuses a pool with the same)."""
     return dict(domains=a.domains, oracles={d: os.path.abspath(p) for d, p in a.oracles.items()},
-                oracle_ids={d: identity(p) for d, p in a.oracles.items()}, prompts=a.prompts_by_domain, group=a.group, dedup_threshold=a.dedup_threshold,
+                oracle_ids={d: common.identity(p) for d, p in a.oracles.items()}, prompts=a.prompts_by_domain, group=a.group, dedup_threshold=a.dedup_threshold,
                 temperature=a.temperature, max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens, seed=a.seed)
 
 
@@ -420,7 +384,7 @@ def recipe(a) -> dict:
     """What the student checkpoint (and a resume state) depends on."""
     pool_json = os.path.join(a.pool_dir, "pool.json")
     pool = hashlib.sha256(open(pool_json, "rb").read()).hexdigest() if os.path.isfile(pool_json) else pool_recipe(a)
-    return dict(student=os.path.abspath(a.student), student_id=identity(a.student), pool=pool, domains=a.domains, mix=a.mix, order=a.order, lr=a.lr,
+    return dict(student=os.path.abspath(a.student), student_id=common.identity(a.student), pool=pool, domains=a.domains, mix=a.mix, order=a.order, lr=a.lr,
                 warmup=a.warmup, epochs=a.epochs, steps=a.steps, batch=a.batch, agg=a.agg, grad_clip=a.grad_clip,
                 seed=a.seed)
 
@@ -437,14 +401,9 @@ def main(argv=None):
         collecting = not a.pool and not os.path.isfile(os.path.join(a.pool_dir, "pool.json"))
         envs = load_envs(a.domains, env_options(a), a.seed) if collecting else None
     except UsageError as e:
-        usage_exit(e)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout, bf16=a.bf16)
+        common.usage_exit(e)
+    device = common.start_run(a, f"sdft: {', '.join(a.domains)} -> {a.out}", [a.out, a.pool_dir])
     t0 = time.time()
-    print0(f"sdft: {', '.join(a.domains)} -> {a.out}, {world_size()} process(es)\nresolved config: {vars(a)}")
-    if rank() == 0:
-        remove_leftovers([a.out, a.pool_dir])
     # ---- 1-3. the pool: collected and filtered once, then always read back from disk
     if collecting:
         from transformers import AutoTokenizer
@@ -459,76 +418,72 @@ def main(argv=None):
             if empty:
                 sys.exit(f"error: the {empty!r} filter left no {d} episode ({f['generated']} generated; funnel "
                          f"{' -> '.join(str(f[k]) for k in FILTERS)}); nothing written")
-        if rank() == 0:
+        if common.rank() == 0:
             write_pool(a.pool_dir, records, dict(format=POOL_FORMAT, domains=a.domains, recipe=pool_recipe(a),
                                                funnel=funnels, tokenizer=a.tokenizer,
                                                seconds=round(time.time() - t0, 1)))
-            print0(f"[sdft] pool written: {a.pool_dir}")
-        if sharded():
+            common.print0(f"[sdft] pool written: {a.pool_dir}")
+        if common.sharded():
             dist.barrier()
     else:
-        print0(f"[sdft] pool: {a.pool_dir} ({'given' if a.pool else 'collected before with this recipe'})")
+        common.print0(f"[sdft] pool: {a.pool_dir} ({'given' if a.pool else 'collected before with this recipe'})")
         print_funnel(pool_meta(a.pool_dir).get("funnel", {}))
     pools = read_pool(a.pool_dir, a.domains)
     sizes = {d: len(e) for d, e in pools.items()}
     steps = a.steps or max(1, math.ceil(a.epochs * sum(sizes.values()) / a.batch))
     plan = schedule(pools, a.mix, a.order, a.batch, steps, a.seed)
     quota = mix_quota(a.mix, sizes, a.batch)
-    print0(f"[sdft] pool sizes {sizes}; {steps} steps of {a.batch} episodes, mix {a.mix} "
+    common.print0(f"[sdft] pool sizes {sizes}; {steps} steps of {a.batch} episodes, mix {a.mix} "
            f"({'per batch ' + str(quota) if a.order != 'staged' else 'steps per domain ' + str(mix_quota(a.mix, sizes, steps))})"
            f", order {a.order}")
     # ---- 4. the student
     rec = recipe(a)
-    if read_meta(a.out).get("recipe") == rec:
-        print0(f"[sdft] {a.out} finished before with this recipe, nothing to do")
-        teardown()
+    if common.read_meta(a.out).get("recipe") == rec:
+        common.print0(f"[sdft] {a.out} finished before with this recipe, nothing to do")
+        common.teardown()
         return
     try:
-        check_run_files(a.out, rec, replace=a.overwrite)
+        common.check_run_files(a.out, rec, replace=a.overwrite)
     except UsageError as e:
-        usage_exit(e)
-    seed_all(a.seed)
-    policy, tok = load_policy(a.student, shard_device(device), a.attn, a.grad_ckpt)
-    policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+        common.usage_exit(e)
+    common.seed_all(a.seed)
+    policy, tok = common.load_policy(a.student, common.shard_device(device), a.attn, a.grad_ckpt)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     policy.train()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    resume_path = run_files(a.out)[0]
-    start = 0
-    if os.path.exists(resume_path):
-        start = load_train_state(resume_path, policy, opt)["step"]
-        print0(f"[sdft] resumed at step {start} from {resume_path}")
-    metrics = Metrics(a.out, start, wandb=a.wandb, config=vars(a))
+    resume_path = common.run_files(a.out)[0]
+    extra = common.resume_state(resume_path, policy, opt, "[sdft]")
+    start = extra["step"] if extra else 0
+    metrics = common.Metrics(a.out, start, wandb=a.wandb, config=vars(a))
     t1 = time.time()
     try:
         for step in range(start, steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(a, step, steps)
-            batch = [pools[d][i] for d, i in plan[step]][rank()::world_size()]
+            batch = [pools[d][i] for d, i in plan[step]][common.rank()::common.world_size()]
             ts = time.time()
             loss, stats = train_on(policy, opt, batch, sdft_loss, micro_batch=a.micro_batch, micro_tokens=a.micro_tokens,
                                    agg=a.agg, grad_clip=a.grad_clip)
             dt = time.time() - ts
-            n_tok = all_reduce_sum(float(sum(len(e.token_ids) for e in batch)))
-            n_loss = all_reduce_sum(float(sum(e.n_sampled for e in batch)))
+            n_tok = common.all_reduce_sum(float(sum(len(e.token_ids) for e in batch)))
+            n_loss = common.all_reduce_sum(float(sum(e.n_sampled for e in batch)))
             metrics.log(dict(step=step + 1, nll=loss, lr=lr_at(a, step, steps), grad_norm=stats["grad_norm"],
                              tok_s=round(n_tok / dt, 1), trained_tok_s=round(n_loss / dt, 1), seconds=round(dt, 2)))
             if step % 5 == 0 or step == steps - 1:
-                print0(f"[sdft] step {step + 1}/{steps} | nll {loss:.4f} | lr {lr_at(a, step, steps):.2e} | grad "
+                common.print0(f"[sdft] step {step + 1}/{steps} | nll {loss:.4f} | lr {lr_at(a, step, steps):.2e} | grad "
                        f"{stats['grad_norm']:.2f} | {n_tok / dt:.0f} tok/s ({n_loss / dt:.0f} trained) | "
-                       f"{eta(t1, step + 1 - start, steps - step - 1)}")
+                       f"{common.eta(t1, step + 1 - start, steps - step - 1)}")
             if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
-                save_train_state(resume_path, policy, opt, dict(step=step + 1), recipe=rec)
+                common.save_train_state(resume_path, policy, opt, dict(step=step + 1), recipe=rec)
         metrics.finish()
     except FloatingPointError as e:
-        if rank() == 0:
-            mark_diverged(a.out, str(e))
-        sys.exit(f"error: [sdft] step {step + 1}: {e}; nothing non-finite was saved")
+        common.stop_diverged(a.out, f"[sdft] step {step + 1}: {e}; nothing non-finite was saved", e)
     meta = dict(method="sdft", stage="sdft", parent=os.path.abspath(a.student), curriculum_position=None,
                 step=steps, seed=a.seed, recipe=rec, pool=os.path.abspath(a.pool_dir), pool_sizes=sizes,
                 quota=quota, config={k: v for k, v in vars(a).items() if k != "tok"},
                 seconds=round(time.time() - t0, 1))
-    save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
-    teardown()
+    common.save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
+    common.teardown()
 
 
 if __name__ == "__main__":

@@ -43,42 +43,13 @@ import time
 
 import torch
 
-from acl.common import (
-    Metrics,
-    all_reduce_sum,
-    check_run_files,
-    check_writable,
-    drop_train_state,
-    eta,
-    gather_mean,
-    identity,
-    init_dist,
-    is_checkpoint,
-    load_policy,
-    load_train_state,
-    mark_diverged,
-    preset_parser,
-    print0,
-    rank,
-    read_meta,
-    remove_leftovers,
-    run_files,
-    save_policy,
-    save_train_state,
-    seed_all,
-    shard,
-    shard_device,
-    teardown,
-    usage_exit,
-    world_size,
-)
+from acl import common
 from acl.engine import make_backend, push_weights, wake_and_push
 from acl.scale import dry_run
 from acl.step import (
     SAVE_DTYPES,
     Cursor,
-    add_scale_flags,
-    add_step_flags,
+    add_training_flags,
     check_shared_flags,
     check_user_errors,
     clipped_surrogate,
@@ -86,7 +57,7 @@ from acl.step import (
     sft_epochs,
     train_on,
 )
-from envs import add_data_flags, env_options, load_envs, per_domain, require_real_data
+from envs import env_options, load_envs, per_domain, require_real_data
 from envs.base import UsageError, well_formed
 from envs.rollout import ServiceError, expert_episodes, saved_episodes
 from evaluate import evaluate_inrun, inrun_path
@@ -176,8 +147,8 @@ def grpo_recipe(a, domain: str, parent: str) -> dict:
                     domain], max_turn_tokens=a.max_turn_tokens_by_domain[domain], steps=a.steps_by_domain[domain],
                 prompts=a.prompts_by_domain[domain],
                 lr=a.lr_by_domain[domain], kl_coef=a.kl_by_domain[domain],
-                loss=per_domain("--loss", a.loss, [domain], str)[domain], parent_id=identity(parent),
-                data={k: identity(v) for k, v in getattr(a, "env_opts", {}).get(domain, {}).items()
+                loss=per_domain("--loss", a.loss, [domain], str)[domain], parent_id=common.identity(parent),
+                data={k: common.identity(v) for k, v in getattr(a, "env_opts", {}).get(domain, {}).items()
                       if k in ("data", "corpus")})
 
 
@@ -191,7 +162,7 @@ def recipe(a, domain: str) -> dict:
     return dict(grpo_recipe(a, domain, parent), rft_samples=a.rft_samples, rft_epochs=a.rft_epochs, rft_lr=a.rft_lr,
                 rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
                 expert_data=os.path.abspath(a.expert_data) if agentic and a.expert_data else None, init=init,
-                trained_after=before, expert_data_id=identity(a.expert_data) if agentic and a.expert_data else None)
+                trained_after=before, expert_data_id=common.identity(a.expert_data) if agentic and a.expert_data else None)
 
 
 def stage_args(a, domain: str):
@@ -208,7 +179,7 @@ def check_stage(a, i: int, domain: str):
     """UsageError, before any work, unless what lies in stage i's place belongs to this run (common.check_run_files):
     the stage, its RFT checkpoint and its resume state made with this recipe and lineage, and no divergence."""
     out = stage_dir(a, i, domain)
-    check_run_files(out, recipe(a, domain), also=[out + "-rft"])
+    common.check_run_files(out, recipe(a, domain), also=[out + "-rft"])
 
 
 def rollouts(backend, tok, env, tasks, n, a, seed, adapter=None):
@@ -240,29 +211,29 @@ def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name, out=None
     makes (<stage>-rft), whose metrics.jsonl gets a row per SFT step."""
     from envs.rollout import expert_records
     t0 = time.time()
-    mine = tasks[rank()::world_size()]
+    mine = tasks[common.rank()::common.world_size()]
     policy.eval()
     if a.cold_start == "self":
-        eps, what = rollouts(backend, tok, env, mine, a.rft_samples, a, seed=a.seed * 7919 + rank()), \
+        eps, what = rollouts(backend, tok, env, mine, a.rft_samples, a, seed=a.seed * 7919 + common.rank()), \
             f"{len(tasks)} prompts x {a.rft_samples} samples"
     elif a.expert_data:
-        eps = saved_episodes(tok, expert_records(a.expert_data, domain)[rank()::world_size()], a.max_tokens,
+        eps = saved_episodes(tok, expert_records(a.expert_data, domain)[common.rank()::common.world_size()], a.max_tokens,
                              a.max_turn_tokens)
-        what = f"{int(all_reduce_sum(len(eps)))} teacher rollouts from {a.expert_data}"
+        what = f"{int(common.all_reduce_sum(len(eps)))} teacher rollouts from {a.expert_data}"
     else:
         eps = expert_episodes(tok, env, mine, a.max_tokens, a.max_turn_tokens)
         what = f"{len(tasks)} prompts x 1 expert episode"
     kept = keep_successes(eps)
-    n_kept = int(all_reduce_sum(len(kept)))
-    print0(f"[{stage_name}] cold start ({a.cold_start}): {what}, mean reward {gather_mean([e.reward for e in eps]):.3f}"
+    n_kept = int(common.all_reduce_sum(len(kept)))
+    common.print0(f"[{stage_name}] cold start ({a.cold_start}): {what}, mean reward {common.gather_mean([e.reward for e in eps]):.3f}"
            f", kept {n_kept} distinct full-reward well-formed rollouts ({time.time() - t0:.0f}s)")
     if n_kept == 0:
-        print0(f"[{stage_name}] cold start: nothing to learn from; GRPO starts from the current policy")
+        common.print0(f"[{stage_name}] cold start: nothing to learn from; GRPO starts from the current policy")
         return 0
     backend.sleep()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.rft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     policy.train()
-    metrics = Metrics(out, 0, wandb=a.wandb, config=vars(a)) if out else None
+    metrics = common.Metrics(out, 0, wandb=a.wandb, config=vars(a)) if out else None
     try:
         sft_epochs(policy, opt, kept, epochs=a.rft_epochs, batch=max(1, a.micro_batch // 2), micro_batch=a.micro_batch,
                    micro_tokens=a.micro_tokens, grad_clip=a.grad_clip, agg=a.agg, seed=a.seed, label=f"[{stage_name}] rft",
@@ -296,16 +267,15 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                             weight_decay=0.0)
     train = env.tasks("train", seed=a.seed)
     cursor, start = Cursor(len(train), a.seed), 0
-    if os.path.exists(resume_path):
-        extra = load_train_state(resume_path, policy, opt)
+    extra = common.resume_state(resume_path, policy, opt, f"[{stage_name}]")
+    if extra:
         cursor.pos, start = extra["cursor"], extra["step"]
         push(backend, policy)
-        print0(f"[{stage_name}] resumed at step {start} from {resume_path}")
     prompts = a.prompts_by_domain[domain]
-    per_rank = max(1, prompts // world_size())
+    per_rank = max(1, prompts // common.world_size())
     step_kw = dict(micro_batch=a.micro_batch, micro_tokens=a.micro_tokens, agg=a.agg, grad_clip=a.grad_clip,
                    temperature=a.temperature)
-    metrics = Metrics(out, start, wandb=a.wandb, config=vars(a)) if out else None
+    metrics = common.Metrics(out, start, wandb=a.wandb, config=vars(a)) if out else None
     t0 = time.time()
     for step in range(start + 1, steps + 1):
         grpo_steps.step = step
@@ -315,8 +285,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         kept, n_drawn, rewards, n_tok, lengths, truncs = [], 0, [], 0, [], []
         for r in range(a.max_gen_rounds):
             batch = cursor.take(prompts)
-            mine = [train[j] for j in batch[rank()::world_size()]]
-            eps = rollouts(backend, tok, env, mine, a.group, a, seed=(a.seed * 1_000_003 + step) * 97 + r * 7 + rank(),
+            mine = [train[j] for j in batch[common.rank()::common.world_size()]]
+            eps = rollouts(backend, tok, env, mine, a.group, a, seed=(a.seed * 1_000_003 + step) * 97 + r * 7 + common.rank(),
                            adapter=adapter)
             n_drawn += len(mine)
             rewards += [e.reward for e in eps]
@@ -325,13 +295,13 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
             n_tok += sum(e.n_sampled for e in eps)
             adv, _ = group_advantages(eps, drop_flat=a.dynamic_sampling)
             kept += [(e, adv[i]) for i, e in enumerate(eps) if i in adv]
-            if all_reduce_sum(len(kept) // a.group) >= prompts or not a.dynamic_sampling:
+            if common.all_reduce_sum(len(kept) // a.group) >= prompts or not a.dynamic_sampling:
                 break
         t_gen = time.time() - t_step
-        reward = gather_mean(rewards)
-        n_resp, n_trunc = gather_mean(lengths), gather_mean(truncs)   # per sampled episode, over every rank
+        reward = common.gather_mean(rewards)
+        n_resp, n_trunc = common.gather_mean(lengths), common.gather_mean(truncs)   # per sampled episode, over every rank
         kept = kept[: per_rank * a.group]
-        n_kept = int(all_reduce_sum(len(kept)))
+        n_kept = int(common.all_reduce_sum(len(kept)))
         # ---- sleep: the generation engine frees its memory for training (vLLM on GPU; a no-op for hf)
         backend.sleep()
         # ---- train: one update on the kept groups
@@ -357,10 +327,10 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         # ---- wake, then push the new weights into the engine, a few tensors at a time
         wake_and_push(backend, (lambda: push(backend, policy)) if n_kept else None)
         dt = time.time() - t_step
-        tok_s = all_reduce_sum(n_tok) / max(t_gen, 1e-9)
-        print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
+        tok_s = common.all_reduce_sum(n_tok) / max(t_gen, 1e-9)
+        common.print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
                f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
-               f"{eta(t0, step - start, steps - step)}")
+               f"{common.eta(t0, step - start, steps - step)}")
         if metrics:   # what a first-day run is watched by: reward, response length and truncation, the update's
             # gradient norm (before the clip), the policy's entropy and its KL to the reference (the last minibatch's)
             metrics.log(dict(stage=stage_name, step=step, reward=reward, kept_groups=n_kept // a.group, loss=loss,
@@ -369,7 +339,7 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                              response_tokens=n_resp, truncated=n_trunc, gen_seconds=round(t_gen, 2),
                              gen_tok_s=round(tok_s, 1), step_seconds=round(dt, 2)))
         if a.save_every and step % a.save_every == 0 and step < steps:
-            save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos),
+            common.save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos),
                              recipe=rec or recipe(a, domain))
     if metrics:
         metrics.finish()
@@ -390,16 +360,16 @@ def run_stage(i, domain, parent, a, device, env):
     t0 = time.time()
     rft_dir = out + "-rft"
     use_rft = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
-    rft_done = use_rft and read_meta(rft_dir).get("recipe") == recipe(a, domain)
+    rft_done = use_rft and common.read_meta(rft_dir).get("recipe") == recipe(a, domain)
     start = rft_dir if rft_done else parent    # decided before loading: one policy, one backend
-    policy, tok = load_policy(start, shard_device(device), a.attn, a.grad_ckpt)
-    seed_all(a.seed + i)
-    policy = shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    policy, tok = common.load_policy(start, common.shard_device(device), a.attn, a.grad_ckpt)
+    common.seed_all(a.seed + i)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     backend, engine = stage_backend(a, tok, start, policy, device)
     n_rft, t_rft = None, 0.0
     if rft_done:
-        print0(f"[{name}] rft: done before, loaded {rft_dir}")
-        n_rft = read_meta(rft_dir).get("rft_kept")
+        common.print0(f"[{name}] rft: done before, loaded {rft_dir}")
+        n_rft = common.read_meta(rft_dir).get("rft_kept")
     elif use_rft:
         t1 = time.time()
         tasks = env.tasks("train", seed=a.seed)
@@ -410,15 +380,15 @@ def run_stage(i, domain, parent, a, device, env):
     ref_model = None
     if a.kl_coef > 0:   # the KL's reference: the policy as GRPO starts it, after the cold start (the authors' τ run:
         # --ref-load is the SFT checkpoint), so the penalty keeps RL near what the cold start taught; frozen
-        ref_model, _ = load_policy(rft_dir if use_rft else parent, shard_device(device), a.attn)
-        ref_model = shard(ref_model.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.cpu_offload)
+        ref_model, _ = common.load_policy(rft_dir if use_rft else parent, common.shard_device(device), a.attn)
+        ref_model = common.shard(ref_model.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.cpu_offload)
     steps = a.steps_by_domain[domain]
-    resume_path = run_files(out)[0]
+    resume_path = common.run_files(out)[0]
     grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model, out=out)
     seconds = time.time() - t0
     save(policy, tok, out, a, domain, i, parent, dict(rft_kept=n_rft, rft_seconds=round(t_rft, 1),
                                                       seconds=round(seconds, 1)))
-    drop_train_state(out)
+    common.drop_train_state(out)
     if a.eval_n:
         evaluate_stage(engine if engine is not None else policy, tok, out, a, seconds,
                        backend=backend if a.backend == "vllm" else None)
@@ -431,13 +401,13 @@ def save(policy, tok, out, a, domain, i, parent, extra):
     meta = dict(method="oracle" if a.oracle else "seq", stage=domain, parent=os.path.abspath(parent),
                 curriculum=a.curriculum, curriculum_position=i, step=a.steps_by_domain[domain], seed=a.seed,
                 recipe=recipe(a, domain), config=vars(a) | dict(env_opts=a.env_opts), **extra)
-    save_policy(out, policy, tok, meta, dtype=SAVE_DTYPES[a.save_dtype])
-    print0(f"saved {out}")
+    common.save_policy(out, policy, tok, meta, dtype=SAVE_DTYPES[a.save_dtype])
+    common.print0(f"saved {out}")
 
 
 def evaluate_stage(model, tok, out, a, seconds, backend=None):
     """evaluate.evaluate_inrun on --eval-n tasks per split: runs/<preset>/eval/inrun/<name>.json (rank 0)."""
-    if rank() == 0:
+    if common.rank() == 0:
         evaluate_inrun(model, tok, out, a.runs, suite="tiny" if a.preset == "tiny" else "full", n=a.eval_n,
                        batch=a.gen_batch, backend=backend, max_tokens=a.max_tokens, max_turn_tokens=a.max_turn_tokens,
                        env_opts=a.env_opts, seconds=seconds)
@@ -479,7 +449,7 @@ def check_grpo_flags(a, domains: list):
     bad = sorted(set(a.loss_by_domain.values()) - {"grpo", "gspo"})
     if bad:
         raise UsageError(f"--loss: {bad[0]!r} is neither grpo nor gspo")
-    ws = a.world_size if a.dry_run else world_size()
+    ws = a.world_size if a.dry_run else common.world_size()
     for ok, msg in [(min(a.group_by_domain.values()) >= 2, "--group must be >= 2 (GRPO compares samples of one prompt)"),
                     (min(a.prompts_by_domain.values()) >= 1, "--prompts must be >= 1"),
                     (min(a.lr_by_domain.values()) > 0, "--lr must be > 0"),
@@ -494,7 +464,7 @@ def check_grpo_flags(a, domains: list):
 
 
 def get_args(argv=None):
-    p, name, preset = preset_parser(PRESETS, __doc__, argv)
+    p, name, preset = common.preset_parser(PRESETS, __doc__, argv)
     p.add_argument("--init", default=preset["init"], help="starting checkpoint (HF directory or hub id)")
     p.add_argument("--curriculum", default="math,search,ecommerce,if", help="domains in training order")
     p.add_argument("--check-install", action="store_true", help="print the versions, the GPU, whether vllm and "
@@ -514,13 +484,9 @@ def get_args(argv=None):
     p.add_argument("--rft-lr", type=float, default=preset["rft_lr"], help="cold-start SFT learning rate")
     p.add_argument("--eval-n", type=int, default=preset["eval_n"], help="tasks per split in the after-stage "
                                                                         "evaluation (0 = skip)")
-    add_scale_flags(p, name)
+    add_training_flags(p, name)
     p.set_defaults(**{k: preset[k] for k in ("max_tokens", "max_turn_tokens") if k in preset})   # per stage (8B)
-    add_step_flags(p, name)
-    add_data_flags(p, train=True)
     p.set_defaults(math_data=preset["math_data"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)
 
 
@@ -536,7 +502,7 @@ def check_args(a):
             and a.rft_lr > 0 and (a.eval_n is None or a.eval_n >= 0)):
         raise UsageError("need --rft-prompts >= 0, --rft-samples >= 1, --rft-epochs >= 1, --rft-lr > 0, --eval-n >= 0")
     local = os.path.isdir(a.init) or a.init.startswith((".", os.path.sep, "runs")) or a.init.count("/") != 1
-    if local and not is_checkpoint(a.init):
+    if local and not common.is_checkpoint(a.init):
         raise UsageError(f"--init checkpoint not found: {a.init} (the tiny arena: cp -r assets/tiny-base runs/tiny/base, "
                          f"or rebuild it with python pretrain.py)")
     a.runs = a.runs or os.path.join("runs", a.preset)
@@ -557,9 +523,9 @@ def check_args(a):
 
 def evaluate_finished(out, a, device):
     """The in-run evaluation of a finished stage whose record is missing (a run killed while it evaluated)."""
-    policy, tok = load_policy(out, device, a.attn)
+    policy, tok = common.load_policy(out, device, a.attn)
     backend, engine = stage_backend(a, tok, out, policy, device)
-    evaluate_stage(engine if engine is not None else policy, tok, out, a, read_meta(out).get("seconds", 0.0),
+    evaluate_stage(engine if engine is not None else policy, tok, out, a, common.read_meta(out).get("seconds", 0.0),
                    backend=backend if a.backend == "vllm" else None)
 
 
@@ -573,45 +539,38 @@ def main(argv=None):
         if a.dry_run:
             dry_run(a, a.init, a.world_size, a.micro_batch, a.max_tokens, ref_model=max(a.kl_by_domain.values()) > 0)
             return
-        check_writable(a.runs, "--runs")
+        common.check_writable(a.runs, "--runs")
         for i, d in enumerate(a.curriculum, 1):   # what lies in a stage's place must be this run's
             check_stage(a, i, d)
         envs = load_envs(a.curriculum, a.env_opts, a.seed)   # every stage's data, before stage 1 trains
     except UsageError as e:
-        usage_exit(e)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    device = init_dist(a.dist_timeout, bf16=a.bf16)
-    print0(f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from {a.init}, "
-           f"{world_size()} process(es)\nresolved config: {vars(a)}")
-    if rank() == 0:
-        outs = [stage_dir(a, i, d) for i, d in enumerate(a.curriculum, 1)]
-        remove_leftovers(outs + [o + "-rft" for o in outs],
-                         files=[inrun_path(os.path.join(a.runs, "eval"), os.path.relpath(o, a.runs).replace(os.sep, "-"))
-                                for o in outs])
+        common.usage_exit(e)
+    outs = [stage_dir(a, i, d) for i, d in enumerate(a.curriculum, 1)]
+    device = common.start_run(a, f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from "
+                          f"{a.init}", outs + [o + "-rft" for o in outs],
+                       files=[inrun_path(os.path.join(a.runs, "eval"), os.path.relpath(o, a.runs).replace(os.sep, "-"))
+                              for o in outs])
     parent, t0, out = a.init, time.time(), None
     try:
         for i, domain in enumerate(a.curriculum, 1):
             out = stage_dir(a, i, domain)
             name = os.path.relpath(out, a.runs)
-            if read_meta(out).get("recipe") == recipe(a, domain):
-                print0(f"[{name}] finished before, skipping")
+            if common.read_meta(out).get("recipe") == recipe(a, domain):
+                common.print0(f"[{name}] finished before, skipping")
                 if a.eval_n and not os.path.isfile(inrun_path(os.path.join(a.runs, "eval"), name.replace(os.sep, "-"))):
-                    print0(f"[{name}] its in-run evaluation is missing: evaluating it now")
+                    common.print0(f"[{name}] its in-run evaluation is missing: evaluating it now")
                     evaluate_finished(out, a, device)
             else:
                 run_stage(i, domain, a.init if a.oracle else parent, a, device, envs[domain])
             parent = out
-    except FloatingPointError as e:
-        if rank() == 0:   # a restart refuses to continue from here (check_stage)
-            mark_diverged(out, str(e))
-        sys.exit(f"error: {e}; nothing non-finite was saved; the last good checkpoint is {parent}")
+    except FloatingPointError as e:   # a restart refuses to continue from here (check_stage)
+        common.stop_diverged(out, f"{e}; nothing non-finite was saved; the last good checkpoint is {parent}", e)
     except ServiceError as e:   # the stage's resume state (if any) is kept: a restart continues from there
         sys.exit(f"error: {e}; stopped before training on it; the last finished checkpoint is {parent}")
     except OSError as e:
         sys.exit(f"error: a write failed: {e}")
-    print0(f"done in {time.time() - t0:.0f}s")
-    teardown()
+    common.print0(f"done in {time.time() - t0:.0f}s")
+    common.teardown()
 
 
 if __name__ == "__main__":

@@ -654,6 +654,39 @@ def read_meta(ckpt_dir: str) -> dict:
         return json.load(f)
 
 
+# ----------------------------------------------------------------------------- the run skeleton
+
+def start_run(a, line: str, outs: list, files=()):
+    """A training script's start, once its flags and data are checked: --threads, the process group (-> the device),
+    `line` and the resolved config printed once, and on rank 0 the sweep of what killed writers of `outs` and `files`
+    left (remove_leftovers)."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = init_dist(a.dist_timeout, bf16=a.bf16)
+    print0(f"{line}, {world_size()} process(es)\nresolved config: {vars(a)}")
+    if rank() == 0:
+        remove_leftovers(outs, files=files)
+    return device
+
+
+def resume_state(path: str, model, opt, label: str) -> dict | None:
+    """The extras a killed run saved with its resume state at `path` (run_files(out)[0]), loaded into model and opt;
+    None when there is none (a fresh start)."""
+    if not os.path.exists(path):
+        return None
+    extra = load_train_state(path, model, opt)
+    print0(f"{label} resumed at step {extra['step']} from {path}")
+    return extra
+
+
+def stop_diverged(out: str, message: str, e: Exception):
+    """A non-finite loss, gradient or weight (FloatingPointError e): checkpoint `out` is marked diverged (a restart
+    refuses to continue it) and the run stops with one line, `message`; nothing non-finite was saved."""
+    if rank() == 0:
+        mark_diverged(out, str(e))
+    sys.exit(f"error: {message}")
+
+
 # ----------------------------------------------------------------------------- loading a policy
 
 def resolve_attn(attn: str) -> str:

@@ -42,7 +42,7 @@ from acl.common import (
     world_size,
 )
 from acl.engine import cache_kwarg
-from envs import per_domain
+from envs import add_data_flags, per_domain
 from envs.base import UsageError
 from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, Episode, ServiceError
 
@@ -108,6 +108,16 @@ def add_step_flags(p, preset: str):
                                                                             "(DAPO) or sequence-mean (GRPO)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of rollouts")
+
+
+def add_training_flags(p, preset: str):
+    """The flags every training script shares: the scale's (add_scale_flags), train_on's (add_step_flags), the
+    environments' data and services (envs.add_data_flags), --seed and --threads."""
+    add_scale_flags(p, preset)
+    add_step_flags(p, preset)
+    add_data_flags(p, train=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
 def check_shared_flags(a, domains=None):
