@@ -206,10 +206,6 @@ def all_reduce_max(x: float) -> float:
     return _all_reduce(x, dist.ReduceOp.MAX)
 
 
-def all_reduce_mean(x: float) -> float:
-    return all_reduce_sum(x) / world_size()
-
-
 def gather_mean(values) -> float:
     """Mean of a list of numbers over all ranks' lists."""
     return all_reduce_sum(sum(values)) / max(all_reduce_sum(len(values)), 1.0)

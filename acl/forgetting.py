@@ -84,11 +84,6 @@ def domain_cell(results, domain, metric: str = "score"):
     return None, None
 
 
-def domain_score(results, domain):
-    """A domain's in-domain sampled score in results (domain_cell); None if absent."""
-    return domain_cell(results, domain)[0]
-
-
 def _se(values):
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
 

@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from acl.common import all_reduce_mean, full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
+from acl.common import all_reduce_sum, full_state_dict, init_dist, rank, shard, teardown, world_size  # noqa: E402
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
     local = (nll.view(per, -1) * mask[mine]).sum() / mask.sum()
     (local * world_size()).backward()
     opt.step()
-    loss = all_reduce_mean(local.item()) * world_size()
+    loss = all_reduce_sum(local.item())
     sd = full_state_dict(model)
     if rank() == 0:
         torch.save({"loss": loss, "state": sd}, sys.argv[1])

@@ -350,7 +350,7 @@ def test_full_suite_on_local_fixtures(micro, tmp_path):
     assert res["aime26"]["k"] == 16 and res["ifeval"]["k"] == 1  # AIME is avg@16
     assert res["bamboogle"]["metrics"]["answered"] == 1.0 and "f1" in res["bamboogle"]["metrics"]
     assert res["tau_retail"]["metrics"]["user_error"] == 0.0 and res["tau_retail"]["metrics"]["db_match"] == 0.5
-    assert forgetting.domain_score(res, "math") == 0.5 and forgetting.domain_score(res, "search") is None  # nq: absent
+    assert forgetting.domain_cell(res, "math")[0] == 0.5 and forgetting.domain_cell(res, "search")[0] is None  # nq: absent
     with pytest.raises(UsageError, match="tau_mock needs"):
         evaluate.load_benchmarks("full", benchmarks=["tau_mock"], env_opts=env_opts)
     with pytest.raises(UsageError, match="unknown full-suite benchmark 'aime25'"):

@@ -108,7 +108,7 @@ def test_lm_eval_scores_go_to_their_own_key_and_resume_keeps_ours(micro, tmp_pat
     code, out, err = cli(monkeypatch, capsys, "--ckpt", ckpt, *args, "--harness", "lm-eval")   # no --resume: both again
     assert code == 0 and calls == [ckpt, ckpt]
     # the table and the accuracy matrix read ours only
-    assert forgetting.domain_score(json.loads(rec_path.read_text()), "if") == ours["benchmarks"]["ifeval"]["mean"]
+    assert forgetting.domain_cell(json.loads(rec_path.read_text()), "if")[0] == ours["benchmarks"]["ifeval"]["mean"]
 
 
 def test_the_installed_lm_eval_has_every_mapped_task():

@@ -236,7 +236,7 @@ def test_tiny_token_limits_fit_every_by_the_book_episode():
 
 def test_the_committed_reference_base_is_current():
     """assets/tiny-base, the reference base arena.sh starts from, was built by the code here: its recorded
-    fingerprint (envs.tiny.build_fingerprint: the corpus, the settings and the building code) is today's.
+    fingerprint (pretrain.build_fingerprint: the corpus, the settings and the building code) is today's.
     When this fails, the code that builds the base has changed: rebuild it with
         python pretrain.py --out assets/tiny-base --overwrite
     and redo the README's tiny tables from the new base."""
