@@ -76,6 +76,8 @@ from acl.common import (
     run_name,
     save_json,
     usage_exit,
+    write_atomically,
+    write_meta,
 )
 from acl.engine import HFBackend, make_backend
 from acl.forgetting import (
@@ -908,8 +910,6 @@ def same_weights(a: str, b: str) -> bool:
 def save_episode_files(out_dir, episodes, ckpt) -> str:
     """Write {benchmark: [episode records]} as out_dir/<benchmark, / -> ->.jsonl, atomically, with an acl_meta.json
     that marks the directory as this project's episodes (check_output)."""
-    from acl.common import write_atomically, write_meta
-
     def write(tmp):
         for bench, records in episodes.items():
             with open(os.path.join(tmp, bench.replace("/", "-") + ".jsonl"), "w") as f:

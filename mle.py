@@ -89,8 +89,7 @@ class AdapterOff(torch.nn.Module):
 
     @property
     def is_gradient_checkpointing(self):
-        from acl.common import uses_activation_checkpointing
-        return uses_activation_checkpointing(self.get_base_model())
+        return common.uses_activation_checkpointing(self.get_base_model())
 
     def parameters(self, recurse: bool = True):
         return self.inner[0].parameters(recurse)
@@ -150,8 +149,8 @@ def push_lora_dir(backend, policy, path: str):
 def recipe(a, domain: str) -> dict:
     """What a finished expert (and its resume state) must match: train_seq's GRPO recipe for the domain from the
     backbone, and the adapter's shape."""
-    return dict(grpo_recipe(a, domain, a.backbone), init=os.path.abspath(a.backbone), method="mle", lora=dict(rank=a.lora_rank, alpha=a.lora_alpha,
-                                                                dropout=a.lora_dropout, targets=a.lora_targets))
+    return dict(grpo_recipe(a, domain, a.backbone), init=os.path.abspath(a.backbone), method="mle",
+                lora=dict(rank=a.lora_rank, alpha=a.lora_alpha, dropout=a.lora_dropout, targets=a.lora_targets))
 
 
 def train_expert(a, i: int, domain: str, env, device) -> dict:
@@ -166,7 +165,7 @@ def train_expert(a, i: int, domain: str, env, device) -> dict:
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in policy.parameters())
     common.print0(f"[{name}] LoRA rank {a.lora_rank} alpha {a.lora_alpha} on {','.join(a.lora_targets)}: {n_train:,} trainable "
-           f"of {n_all:,} parameters ({100 * n_train / n_all:.2f}%)")
+                  f"of {n_all:,} parameters ({100 * n_train / n_all:.2f}%)")
     policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
     backend, push, adapter = expert_backend(a, tok, policy, device, out + ".live")
     ref = AdapterOff(policy) if a.kl_coef > 0 else None
@@ -224,10 +223,9 @@ def train_router(a, envs, device) -> dict:
     save = dict(state=router.state_dict(), domains=a.domains, dim=x.size(1), accuracy=acc, prompts=a.router_prompts,
                 steps=a.router_steps, seed=a.seed, backbone_id=common.identity(a.backbone), final_loss=loss.item(),
                 seconds=round(time.time() - t0, 1))
-    from acl.common import write_file_atomically
-    write_file_atomically(os.path.join(a.out, "router.pt"), lambda tmp: torch.save(save, tmp))
+    common.write_file_atomically(os.path.join(a.out, "router.pt"), lambda tmp: torch.save(save, tmp))
     common.print0(f"[mle] learned router: train accuracy {acc['train']:.3f}, test {acc['test']:.3f}, ood {acc['ood']:.3f} "
-           f"({a.router_prompts} prompts per domain and split, {time.time() - t0:.0f}s) -> {a.out}/router.pt")
+                  f"({a.router_prompts} prompts per domain and split, {time.time() - t0:.0f}s) -> {a.out}/router.pt")
     return acc
 
 
@@ -252,8 +250,8 @@ def export_merged(a):
         model, tok = common.load_policy(a.backbone, torch.device("cpu"), a.attn)
         merged = PeftModel.from_pretrained(model, e).merge_and_unload()
         common.save_checkpoint(dest, merged, tok, dict(made_from, method="mle-merged", parent=os.path.abspath(a.backbone),
-                                                expert=os.path.abspath(e), recipe=common.read_meta(e).get("recipe")),
-                        dtype=SAVE_DTYPES[a.save_dtype])
+                                                       expert=os.path.abspath(e), recipe=common.read_meta(e).get("recipe")),
+                               dtype=SAVE_DTYPES[a.save_dtype])
         common.print0(f"[mle] merged {e} into {a.backbone} -> {dest}")
 
 
@@ -314,7 +312,7 @@ def check_args(a):
         common.check_run_files(os.path.join(a.out, "experts", d), recipe(stage_args(a, d), d))
     for d in a.domains if a.export else []:
         common.check_output(os.path.join(a.export_out, d), "mle-merged", inputs=[a.backbone, a.out], overwrite=True,
-                     flag="--export-out")
+                            flag="--export-out")
     return a
 
 
@@ -331,7 +329,7 @@ def main(argv=None):
     except UsageError as e:
         common.usage_exit(e)
     device = common.start_run(a, f"mle: experts {', '.join(a.domains)} on the frozen backbone {a.backbone} -> {a.out}",
-                       [os.path.join(a.out, "experts", d) for d in a.domains])
+                              [os.path.join(a.out, "experts", d) for d in a.domains])
     t0 = time.time()
     if common.rank() == 0:
         top = dict(method="mle", format=FORMAT, backbone=os.path.abspath(a.backbone), backbone_id=common.identity(a.backbone),

@@ -340,7 +340,7 @@ def main(argv=None):
                        for d in a.domains}
             if common.all_reduce_sum(len(kept)) == 0:
                 raise TeacherFailure(f"every episode of step {step} was dropped (teachers' scores not finite: "
-                                   f"{dropped}); stopping rather than training on nothing")
+                                     f"{dropped}); stopping rather than training on nothing")
             # ---- 3. one update on the kept episodes
             policy.train()
             x = dict(t_lp=[s["lp"] for _, s in kept], t_ent=[s["ent"] for _, s in kept],
@@ -366,18 +366,18 @@ def main(argv=None):
             metrics.log(dict(row, gen_seconds=round(t_gen, 2), step_seconds=round(dt, 2),
                              gen_tok_s=round(n_gen / max(t_gen, 1e-9), 1)))
             common.print0(f"[mmopd] step {step}/{a.steps} | loss {loss:+.4f} | beta_f {beta_f:.3f} | gen {t_gen:.1f}s "
-                   f"{n_gen / max(t_gen, 1e-9):.0f} tok/s | step {dt:.1f}s {common.all_reduce_sum(float(sum(len(e.token_ids) for e, _ in kept))) / dt:.0f} tok/s | "
-                   f"{common.eta(t1, step - start, a.steps - step)}")
+                          f"{n_gen / max(t_gen, 1e-9):.0f} tok/s | step {dt:.1f}s {common.all_reduce_sum(float(sum(len(e.token_ids) for e, _ in kept))) / dt:.0f} tok/s | "
+                          f"{common.eta(t1, step - start, a.steps - step)}")
             for d in (d for d in a.domains if d not in row["domains"]):
                 common.print0(f"    {d:<9} no episode scored | dropped {dropped[d]}")
             for d, r in row["domains"].items():
                 common.print0(f"    {d:<9} rkl {r['rkl']:+.4f} | fkl@gate {r['fkl_gated']:.4f} | gate {r['gate']:.3f} "
-                       f"(gates disagree {r['disagree']:.3f}) | H teacher {r['t_ent']:.3f} student {r['s_ent']:.3f} | "
-                       f"reward {r['reward']:.3f} | dropped {r['dropped']}")
+                              f"(gates disagree {r['disagree']:.3f}) | H teacher {r['t_ent']:.3f} student {r['s_ent']:.3f} | "
+                              f"reward {r['reward']:.3f} | dropped {r['dropped']}")
             if a.save_every and step % a.save_every == 0 and step < a.steps:
                 common.save_train_state(resume_path, policy, opt, dict(step=step, history=history,
-                                                                cursors={d: c.pos for d, c in cursors.items()}),
-                                 recipe=rec)
+                                                                       cursors={d: c.pos for d, c in cursors.items()}),
+                                        recipe=rec)
         metrics.finish()
     except FloatingPointError as e:
         common.stop_diverged(a.out, f"[mmopd] step {step}: {e}; nothing non-finite was saved", e)

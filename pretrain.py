@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from acl.common import eta
+from acl.common import Parser, check_output, eta, usage_exit
 
 # The chat template: Qwen3's layout, tools listed compactly. `{% generation %}` marks the assistant
 # tokens so apply_chat_template(..., return_assistant_tokens_mask=True) can mask the loss.
@@ -351,7 +351,6 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
 
 
 def main():
-    from acl.common import Parser, check_output, usage_exit
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write (a new one, or a base "
                                                           "this project built, with --overwrite)")

@@ -187,8 +187,8 @@ def collect(a, envs, device) -> tuple:
                       sampled_tokens=int(n_tok), seconds=round(dt, 1), gen_seconds=round(gen, 1),
                       tok_per_s=round(n_tok / max(gen, 1e-9), 1))
         common.print0(f"[sdft] {d}: {len(tasks)} prompts x {a.group} from {oracle}: {funnel['correct']} correct, "
-               f"{funnel['distinct']} kept | {n_tok / max(gen, 1e-9):.0f} sampled tok/s ({gen:.0f}s sampling, "
-               f"{dt:.0f}s in all)")
+                      f"{funnel['distinct']} kept | {n_tok / max(gen, 1e-9):.0f} sampled tok/s ({gen:.0f}s sampling, "
+                      f"{dt:.0f}s in all)")
         pools[d], funnels[d] = records, funnel
     return pools, funnels
 
@@ -198,7 +198,7 @@ def print_funnel(funnels: dict):
     common.print0("|---" * (len(FILTERS) + 4) + "|")
     for d, f in funnels.items():
         common.print0(f"| {d} | {f['generated']} | " + " | ".join(str(f[k]) for k in FILTERS) +
-               f" | {f['distinct']} | {f['prompts_kept']}/{f['prompts']} ({f['prompts_kept'] / max(1, f['prompts']):.2f}) |")
+                      f" | {f['distinct']} | {f['prompts_kept']}/{f['prompts']} ({f['prompts_kept'] / max(1, f['prompts']):.2f}) |")
 
 
 # ----------------------------------------------------------------------------- 3. the pool on disk
@@ -434,8 +434,8 @@ def main(argv=None):
     plan = schedule(pools, a.mix, a.order, a.batch, steps, a.seed)
     quota = mix_quota(a.mix, sizes, a.batch)
     common.print0(f"[sdft] pool sizes {sizes}; {steps} steps of {a.batch} episodes, mix {a.mix} "
-           f"({'per batch ' + str(quota) if a.order != 'staged' else 'steps per domain ' + str(mix_quota(a.mix, sizes, steps))})"
-           f", order {a.order}")
+                  f"({'per batch ' + str(quota) if a.order != 'staged' else 'steps per domain ' + str(mix_quota(a.mix, sizes, steps))})"
+                  f", order {a.order}")
     # ---- 4. the student
     rec = recipe(a)
     if common.read_meta(a.out).get("recipe") == rec:
@@ -471,8 +471,8 @@ def main(argv=None):
                              tok_s=round(n_tok / dt, 1), trained_tok_s=round(n_loss / dt, 1), seconds=round(dt, 2)))
             if step % 5 == 0 or step == steps - 1:
                 common.print0(f"[sdft] step {step + 1}/{steps} | nll {loss:.4f} | lr {lr_at(a, step, steps):.2e} | grad "
-                       f"{stats['grad_norm']:.2f} | {n_tok / dt:.0f} tok/s ({n_loss / dt:.0f} trained) | "
-                       f"{common.eta(t1, step + 1 - start, steps - step - 1)}")
+                              f"{stats['grad_norm']:.2f} | {n_tok / dt:.0f} tok/s ({n_loss / dt:.0f} trained) | "
+                              f"{common.eta(t1, step + 1 - start, steps - step - 1)}")
             if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
                 common.save_train_state(resume_path, policy, opt, dict(step=step + 1), recipe=rec)
         metrics.finish()

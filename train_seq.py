@@ -226,7 +226,7 @@ def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name, out=None
     kept = keep_successes(eps)
     n_kept = int(common.all_reduce_sum(len(kept)))
     common.print0(f"[{stage_name}] cold start ({a.cold_start}): {what}, mean reward {common.gather_mean([e.reward for e in eps]):.3f}"
-           f", kept {n_kept} distinct full-reward well-formed rollouts ({time.time() - t0:.0f}s)")
+                  f", kept {n_kept} distinct full-reward well-formed rollouts ({time.time() - t0:.0f}s)")
     if n_kept == 0:
         common.print0(f"[{stage_name}] cold start: nothing to learn from; GRPO starts from the current policy")
         return 0
@@ -329,8 +329,8 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
         dt = time.time() - t_step
         tok_s = common.all_reduce_sum(n_tok) / max(t_gen, 1e-9)
         common.print0(f"[{stage_name}] step {step}/{steps} | reward {reward:.3f} | kept {n_kept // a.group} groups | "
-               f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
-               f"{common.eta(t0, step - start, steps - step)}")
+                      f"loss {loss:+.4f} | clip {clip_frac:.3f} | gen {t_gen:.1f}s {tok_s:.0f} tok/s | step {dt:.1f}s | "
+                      f"{common.eta(t0, step - start, steps - step)}")
         if metrics:   # what a first-day run is watched by: reward, response length and truncation, the update's
             # gradient norm (before the clip), the policy's entropy and its KL to the reference (the last minibatch's)
             metrics.log(dict(stage=stage_name, step=step, reward=reward, kept_groups=n_kept // a.group, loss=loss,
@@ -340,7 +340,7 @@ def grpo_steps(policy, tok, backend, env, domain, a, stage_name, steps, resume_p
                              gen_tok_s=round(tok_s, 1), step_seconds=round(dt, 2)))
         if a.save_every and step % a.save_every == 0 and step < steps:
             common.save_train_state(resume_path, policy, opt, dict(step=step, cursor=cursor.pos),
-                             recipe=rec or recipe(a, domain))
+                                    recipe=rec or recipe(a, domain))
     if metrics:
         metrics.finish()
 
@@ -546,10 +546,9 @@ def main(argv=None):
     except UsageError as e:
         common.usage_exit(e)
     outs = [stage_dir(a, i, d) for i, d in enumerate(a.curriculum, 1)]
-    device = common.start_run(a, f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} from "
-                          f"{a.init}", outs + [o + "-rft" for o in outs],
-                       files=[inrun_path(os.path.join(a.runs, "eval"), os.path.relpath(o, a.runs).replace(os.sep, "-"))
-                              for o in outs])
+    inruns = [inrun_path(os.path.join(a.runs, "eval"), os.path.relpath(o, a.runs).replace(os.sep, "-")) for o in outs]
+    device = common.start_run(a, f"train_seq: {'oracles' if a.oracle else 'curriculum'} {' -> '.join(a.curriculum)} "
+                                 f"from {a.init}", outs + [o + "-rft" for o in outs], files=inruns)
     parent, t0, out = a.init, time.time(), None
     try:
         for i, domain in enumerate(a.curriculum, 1):

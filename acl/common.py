@@ -279,6 +279,33 @@ def save_json(path: str, obj) -> str:
     return write_file_atomically(path, write)
 
 
+def pyplot():
+    """matplotlib's pyplot on its file-only backend (no display needed): every plot of the project goes to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path):
+    """Write a matplotlib figure as a PNG atomically and close it; returns path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    write_file_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120), suffix=".png")
+    plt.close(fig)
+    return path
+
+
+def run_name(ckpt) -> tuple:
+    """(eval directory, name) of a checkpoint: runs/tiny/seq/1-math -> (runs/tiny/eval, seq-1-math);
+    (None, basename) when the path is not under runs/<preset>/."""
+    parts = os.path.abspath(ckpt).split(os.sep)
+    for i in range(len(parts) - 3, -1, -1):  # the last `runs` with a preset and a checkpoint below it
+        if parts[i] == "runs":
+            return os.sep.join(parts[: i + 2] + ["eval"]), "-".join(parts[i + 2:])
+    return None, parts[-1]
+
+
 def is_checkpoint(path: str) -> bool:
     """A Hugging Face model directory (config.json in it)."""
     return os.path.isfile(os.path.join(path, "config.json"))
@@ -801,29 +828,3 @@ def same_tensors(base: str, ckpts: list) -> dict:
                                  f"{info['shape']} in the base")
     return files
 
-
-def pyplot():
-    """matplotlib's pyplot on its file-only backend (no display needed): every plot of the project goes to a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def save_figure(fig, path):
-    """Write a matplotlib figure as a PNG atomically and close it; returns path."""
-    import matplotlib.pyplot as plt
-    fig.tight_layout()
-    write_file_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120), suffix=".png")
-    plt.close(fig)
-    return path
-
-
-def run_name(ckpt) -> tuple:
-    """(eval directory, name) of a checkpoint: runs/tiny/seq/1-math -> (runs/tiny/eval, seq-1-math);
-    (None, basename) when the path is not under runs/<preset>/."""
-    parts = os.path.abspath(ckpt).split(os.sep)
-    for i in range(len(parts) - 3, -1, -1):  # the last `runs` with a preset and a checkpoint below it
-        if parts[i] == "runs":
-            return os.sep.join(parts[: i + 2] + ["eval"]), "-".join(parts[i + 2:])
-    return None, parts[-1]
