@@ -1,20 +1,21 @@
-"""The tiny arena's model and data: a byte-level BPE tokenizer trained on the worlds' text, a
-Qwen3-architecture model of about a million parameters, and its pre-training on generic text plus
-noisy demonstrations from every domain, so the base is weak but not zero everywhere and RL has signal.
+"""The tiny arena's base: a byte-level BPE tokenizer, a Qwen3-architecture model of about a million parameters,
+and its pre-training on each domain's knowledge as plain text, so the base knows the domains but not the agent
+protocol, which the stages teach (as a real base knows mathematics but not an RL recipe's answer format).
 
-    python pretrain.py                                  # -> runs/tiny/base, ~12.5 min on 2 CPU cores
-    python pretrain.py --out runs/tiny/base --steps 3000 --seed 0 --drill-steps 3000 --mix ecommerce=4   # the same
-    python pretrain.py --out runs/tiny/base-nodrill --drill-steps 0     # no induction drill: search at 0% EM
+    python pretrain.py                                  # -> runs/tiny/base (2 CPU cores; time in the README)
+    python pretrain.py --out runs/tiny/base --steps 3000 --seed 0 --n-docs 10000   # the same
+    python pretrain.py --out runs/tiny/base-nodrill --drill-steps 0     # no induction drill
 
 It prints its progress on stdout: a line per domain of the corpus, the tokenizer, the encoding at every
 quarter, then the drill and the pre-training every 5% of their steps (step/steps, loss, lr, elapsed and
 ETA; the drill's ETA is to its step limit, an upper bound: it stops once copying has formed).
 
 Differences from the paper (which starts from Qwen3-8B-Base):
-1. The base is built here from scratch; its "pre-training" corpus is generic text from the worlds
-   plus deliberately noisy demonstrations (about half wrong). The loss is on every token by default
-   (--loss-on all): at this size, copying (operands, names, ids) is learned from the prompts' and tool
-   results' tokens too, and assistant-only loss left it unlearned for thousands of steps.
+1. The base is built here from scratch; its pre-training corpus is each domain's knowledge in plain text
+   (Env.knowledge: worked arithmetic, encyclopaedia passages and reading comprehension, a store's catalogue,
+   policy and case notes, writing of many kinds), never the chat template, tool calls, \\boxed{} or <answer>
+   (envs.base.PROTOCOL_MARKERS); the tokenizer has also read the protocol's text (protocol_texts), as a real
+   base's tokenizer has. Each stage's cold start teaches the protocol.
 2. Before that pre-training, an induction drill (random token sequences said three times, loss on the
    repeats, lr 1e-2, until its loss is below 0.5 nats; a round that has not got there by step 1,500 gives up and
    the next starts from a fresh initialisation on fresh sequences, up to 12 rounds: about 1 in 3 rounds forms it): without it the ~1M model never learns to copy by position,
@@ -111,63 +112,56 @@ def log_every_for(total: int, share: float = 0.05) -> int:
     return max(1, round(total * share))
 
 
-def build_corpus(n_demos: int, noise: float, seed: int, domains=None, progress: bool = False):
-    """Pre-training documents as (group, example): every domain's demos (chat conversations; see
-    encode_corpus for where the loss goes) and generic text (the worlds' user/tool text without the chat
-    template, loss on every token). progress: a line per domain with its time and the time so far, and no
-    ETA: each domain's demos are one call, and their costs differ (3,000 demos: math <1 s, if ~17 s)."""
+def build_corpus(n_docs: int, seed: int, domains=None, progress: bool = False):
+    """The pre-training documents, [(domain, text)]: n_docs of each domain's knowledge in plain text (Env.knowledge:
+    worked arithmetic, encyclopaedia passages and reading, a store's catalogue, policy and case notes, writing of
+    many kinds), never the agent protocol. progress: a line per domain with its time and the time so far."""
     from envs import DOMAINS, make_env
-    chats, generic = [], []
-    names = domains or DOMAINS
-    t0 = time.time()
-    for i, d in enumerate(names):
+    docs, t0 = [], time.time()
+    for i, d in enumerate(domains or DOMAINS):
         t1 = time.time()
-        demos = make_env(d).demos(n_demos, seed=seed * 1000 + i, noise=noise)
-        chats += [(d, x) for x in demos]
-        for x in demos[: n_demos // 4]:
-            generic.append(("generic", "\n".join(m["content"] for m in x["messages"] if m["role"] in ("user", "tool"))))
+        texts = make_env(d).knowledge(n_docs, seed=seed * 1000 + i)
+        docs += [(d, x) for x in texts]
         if progress:
-            print(f"corpus {i + 1}/{len(names)}: {len(demos)} {d} demos in {time.time() - t1:.1f}s "
+            print(f"corpus {i + 1}/{len(domains or DOMAINS)}: {len(texts)} {d} documents in {time.time() - t1:.1f}s "
                   f"| {time.time() - t0:.0f}s elapsed", flush=True)
-    return chats, generic
+    return docs
 
 
-def corpus_tokenizer(chats, generic, vocab_size: int = 1024):
-    """The tokenizer trained on build_corpus's documents: each conversation's tool schemas and messages, and the
-    generic text."""
-    texts = [json.dumps(x.get("tools") or []) + "\n" + "\n".join(m["content"] for m in x["messages"]) for _, x in chats]
-    return train_tokenizer(texts + [t for _, t in generic], vocab_size)
+def protocol_texts(domains=None, n: int = 200) -> list:
+    """What the stages will have the model read and write, for the tokenizer's vocabulary only (never a pre-training
+    document): n train tasks per domain, their tool schemas and messages and the scripted expert's turns. A real
+    base's tokenizer has seen such text too; without it a tool call or a system prompt costs byte-level tokens."""
+    from envs import DOMAINS, make_env
+    out = []
+    for d in domains or DOMAINS:
+        env = make_env(d)
+        for t in env.tasks("train", n=n, seed=0):
+            out.append(json.dumps(t.tools or []) + "\n" + "\n".join(m["content"] for m in t.messages) + "\n"
+                       + "\n".join(env.expert(t) or []))
+    return out
 
 
-def encode_corpus(tokenizer, chats, generic, max_len: int, loss_on: str = "all", progress: bool = False):
-    """-> list of (group, ids, loss_mask); conversations longer than max_len are dropped, not cut.
-    loss_on="assistant" masks the loss to assistant tokens (SFT-style); "all" trains on every token.
+def corpus_tokenizer(docs, vocab_size: int = 1024, domains=None):
+    """The tokenizer trained on build_corpus's documents and the protocol's text (protocol_texts)."""
+    return train_tokenizer([t for _, t in docs] + protocol_texts(domains), vocab_size)
+
+
+def encode_corpus(tokenizer, docs, max_len: int, progress: bool = False):
+    """-> list of (group, ids, loss_mask): each document's tokens (cut at max_len), the loss on every token.
     progress: a line at every quarter of the documents, with elapsed time and ETA."""
-    rows, dropped = [], 0
-    total, every, t0 = len(chats) + len(generic), log_every_for(len(chats) + len(generic), 0.25), time.time()
-
-    def tick(done):
-        if progress and (done % every == 0 or done == total):
-            print(f"encode {done}/{total} documents | {eta(t0, done, total - done)}", flush=True)
-    for k, (group, x) in enumerate(chats, 1):
-        out = tokenizer.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        ids, mask = out["input_ids"], out["assistant_masks"]
-        if loss_on == "all":
-            mask = [1] * len(ids)
-        tick(k)
-        if len(ids) > max_len:
-            dropped += 1
-            continue
-        rows.append((group, ids, mask))
-    for k, (group, text) in enumerate(generic, len(chats) + 1):
-        ids = tokenizer(text)["input_ids"][:max_len]
-        rows.append((group, ids, [1] * len(ids)))
-        tick(k)
-    return rows, dropped
+    rows, cut, t0 = [], 0, time.time()
+    every = log_every_for(len(docs), 0.25)
+    for k, (group, text) in enumerate(docs, 1):
+        ids = tokenizer(text)["input_ids"]
+        cut += len(ids) > max_len
+        rows.append((group, ids[:max_len], [1] * min(len(ids), max_len)))
+        if progress and (k % every == 0 or k == len(docs)):
+            print(f"encode {k}/{len(docs)} documents | {eta(t0, k, len(docs) - k)}", flush=True)
+    return rows, cut
 
 
-DEFAULT_MIX = {"ecommerce": 4.0}   # pre-training weight per group (1 for the others): see --mix
+DEFAULT_MIX = {}   # pre-training weight per group (1 for a group not named): see --mix
 DRILL_DONE = 0.5   # nats per repeated token: the copy circuit has formed (uniform guessing costs ~6.9)
 # A drill round that has not formed copying by DRILL_PATIENCE steps gives up (its lr schedule stays --drill-steps
 # long, so a round that forms is the same computation as without it), and the next starts over from a fresh
@@ -207,7 +201,7 @@ def make_batches(rows, batch_tokens: int):
 def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, log_every: int | None = None,
              mix: dict | None = None, stop_below: float | None = None, name: str = "pre-train",
              give_up_at: int | None = None):
-    """AdamW, warmup + cosine decay. Each step draws a group (a domain, or generic text) with weight
+    """AdamW, warmup + cosine decay. Each step draws a group (a domain, or the drill's "copy") with weight
     mix.get(group, 1), then one of its length-bucketed batches: a long multi-turn domain gets as many
     updates as a short one. stop_below: stop early once the mean loss of the last 50 steps is below it;
     give_up_at: with stop_below, stop at this step if that has not happened (the schedule is still `steps` long).
@@ -266,26 +260,26 @@ def pretrain(model, rows, steps: int, batch_tokens: int, lr: float, seed: int, l
     return losses
 
 
-def build_fingerprint(chats, generic, config: dict) -> str:
-    """sha256 of everything a base build depends on: the corpus (every demo and generic document), the build's
+def build_fingerprint(docs, config: dict) -> str:
+    """sha256 of everything a base build depends on: the corpus (every document), the build's
     settings, and the source of the code that turns them into weights (tokenizer, model, drill, pre-training).
     A committed base whose recorded fingerprint differs from the current code's is stale (tests/test_pretrain.py)."""
     import hashlib
     import inspect
     h = hashlib.sha256()
-    code = [train_tokenizer, model_config, corpus_tokenizer, encode_corpus, copy_rows, make_batches, pretrain, build_base]
+    code = [train_tokenizer, model_config, protocol_texts, corpus_tokenizer, encode_corpus, copy_rows, make_batches, pretrain, build_base]
     drill = [str(DRILL_DONE), str(DRILL_ROUNDS), str(DRILL_PATIENCE)]
     for part in [CHAT_TEMPLATE, SPLIT, json.dumps(SIZES, sort_keys=True)] + drill + [inspect.getsource(f) for f in code]:
         h.update(part.encode())
     h.update(json.dumps(config, sort_keys=True).encode())
-    for doc in chats + generic:
+    for doc in docs:
         h.update(json.dumps(doc, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 
-def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n_demos: int = 3000,
-               noise: float = 0.5, vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
-               max_len: int = 2048, domains=None, threads: int | None = None, loss_on: str = "all",
+def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n_docs: int = 10000,
+               vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
+               max_len: int = 2048, domains=None, threads: int | None = None,
                mix: dict | None = None, copy_docs: int = 0, drill_steps: int = 3000, drill_lr: float = 1e-2):
     """Build the tokenizer, the model and pre-train it; save a HF checkpoint at `out`. Returns out."""
     from transformers import Qwen3ForCausalLM
@@ -296,15 +290,15 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     mix = DEFAULT_MIX if mix is None else mix
     seed_all(seed)
     t0 = time.time()
-    chats, generic = build_corpus(n_demos, noise, seed, domains, progress=True)
-    tok = corpus_tokenizer(chats, generic, vocab_size)
+    docs = build_corpus(n_docs, seed, domains, progress=True)
+    tok = corpus_tokenizer(docs, vocab_size, domains)
     print(f"tokenizer: {len(tok)} tokens | {time.time() - t0:.0f}s elapsed", flush=True)
-    rows, dropped = encode_corpus(tok, chats, generic, max_len, loss_on, progress=True)
+    rows, cut = encode_corpus(tok, docs, max_len, progress=True)
     if copy_docs:   # the drill kept up during pre-training, on the corpus's own tokens
         rows += copy_rows([t for _, ids, _ in rows for t in ids], copy_docs, seed)
     n_tok = sum(len(r[1]) for r in rows)
-    print(f"corpus: {len(chats)} conversations + {len(generic)} generic documents = {n_tok} tokens "
-          f"({dropped} over {max_len} tokens dropped); vocab {len(tok)}; built in {time.time() - t0:.1f}s", flush=True)
+    print(f"corpus: {len(docs)} documents = {n_tok} tokens ({cut} cut at {max_len} tokens); vocab {len(tok)}; "
+          f"built in {time.time() - t0:.1f}s", flush=True)
     cfg = model_config(tok, size, max_len)
     model = Qwen3ForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -337,14 +331,14 @@ def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n
     print(f"pre-training: {steps} steps at lr {lr}", flush=True)
     losses = pretrain(model, rows, steps, batch_tokens, lr, seed, mix=mix)
     elapsed = time.time() - t0
-    config = dict(size=size, steps=steps, n_demos=n_demos, noise=noise, vocab_size=vocab_size,
-                  batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or []), loss_on=loss_on,
+    config = dict(size=size, steps=steps, n_docs=n_docs, vocab_size=vocab_size,
+                  batch_tokens=batch_tokens, lr=lr, max_len=max_len, domains=list(domains or []),
                   mix=mix or {}, copy_docs=copy_docs, drill_steps=drill_steps, drill_lr=drill_lr)
     meta = dict(method="base", stage="base", parent=None, curriculum_position=0, step=steps, seed=seed, config=config,
                 n_params=n_params, corpus_tokens=n_tok, final_loss=sum(losses[-50:]) / len(losses[-50:]),
                 build_seconds=round(elapsed, 1), drill_stopped_at=drill_stop,
                 drill_formed=None if drill_loss is None else drill_loss < DRILL_DONE,
-                fingerprint=build_fingerprint(chats, generic, dict(config, seed=seed)), torch=torch.__version__)
+                fingerprint=build_fingerprint(docs, dict(config, seed=seed)), torch=torch.__version__)
     save_checkpoint(out, model, tok, meta)
     print(f"saved {out} in {elapsed:.0f}s", flush=True)
     return out
@@ -358,33 +352,28 @@ def main():
     p.add_argument("--steps", type=int, default=3000, help="pre-training steps")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the init")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size")
-    p.add_argument("--n-demos", type=int, default=3000, help="demonstrations per domain")
-    p.add_argument("--noise", type=float, default=0.5, help="fraction of deliberately wrong demonstrations")
+    p.add_argument("--n-docs", type=int, default=10000, help="knowledge documents per domain (Env.knowledge)")
     p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per batch (length-bucketed)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--max-len", type=int, default=2048, help="longest sequence the model is built for")
-    p.add_argument("--domains", default="math,search,ecommerce,if", help="domains whose demos enter the corpus")
+    p.add_argument("--domains", default="math,search,ecommerce,if", help="domains whose knowledge enters the corpus")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--mix", default=None, help="pre-training weight per group, e.g. search=4,math=2 "
-                   "(1 for a group not named, generic text included; '' = 1 each); default DEFAULT_MIX, "
-                   "ecommerce=4: its long multi-turn tool calls are the hardest format (at 2,000 steps this "
-                   "much ecommerce stops the base searching; 3,000 steps keep both)")
+                   "(1 for a group not named; '' = 1 each); default DEFAULT_MIX")
     p.add_argument("--drill-steps", type=int, default=3000, help="induction drill before pre-training: the length "
                    "of its lr schedule on random token sequences said three times, loss on the repeats (0 = none); "
                    f"a round gives up at step min(this, {DRILL_PATIENCE}) and restarts, up to {DRILL_ROUNDS} rounds")
     p.add_argument("--drill-lr", type=float, default=1e-2, help="peak learning rate of the drill")
     p.add_argument("--copy-docs", type=int, default=0, help="drill documents kept in the pre-training mix (group "
                                                                "'copy'), on the corpus's own tokens")
-    p.add_argument("--loss-on", default="all", choices=["all", "assistant"],
-                   help="pre-training loss on every token of a conversation, or on assistant tokens only")
     a = p.parse_args()
     from envs import DOMAINS, parse_domains
     from envs.base import UsageError
     try:
         domains = parse_domains(a.domains)
-        if a.steps < 1 or a.n_demos < 1 or not 0 <= a.noise <= 1 or a.lr <= 0 or a.vocab_size < 300:
-            raise UsageError("need --steps >= 1, --n-demos >= 1, 0 <= --noise <= 1, --lr > 0, --vocab-size >= 300")
+        if a.steps < 1 or a.n_docs < 1 or a.lr <= 0 or a.vocab_size < 300:
+            raise UsageError("need --steps >= 1, --n-docs >= 1, --lr > 0, --vocab-size >= 300")
         if a.drill_steps < 0 or a.drill_lr <= 0 or a.copy_docs < 0:
             raise UsageError("need --drill-steps >= 0, --drill-lr > 0, --copy-docs >= 0")
         if a.batch_tokens < 1 or a.max_len < 64 or (a.threads is not None and a.threads < 1):
@@ -394,16 +383,16 @@ def main():
         mix = None if a.mix is None else {}   # None: build_base's DEFAULT_MIX
         for item in filter(None, (a.mix or "").split(",")):
             group, _, w = item.partition("=")
-            if group.strip() not in [*DOMAINS, "generic", "copy"] or not w.replace(".", "", 1).isdigit() or float(w) <= 0:
+            if group.strip() not in [*DOMAINS, "copy"] or not w.replace(".", "", 1).isdigit() or float(w) <= 0:
                 raise UsageError(f"bad --mix item {item!r}: want group=weight > 0, group one of "
-                               f"{', '.join(DOMAINS)}, generic, copy")
+                               f"{', '.join(DOMAINS)}, copy")
             mix[group.strip()] = float(w)
         check_output(a.out, "base", overwrite=a.overwrite)
     except UsageError as e:
         usage_exit(e)
     try:
-        build_base(a.out, a.steps, a.seed, a.size, a.n_demos, a.noise, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
-                   domains, a.threads, a.loss_on, mix, a.copy_docs, a.drill_steps, a.drill_lr)
+        build_base(a.out, a.steps, a.seed, a.size, a.n_docs, a.vocab_size, a.batch_tokens, a.lr, a.max_len,
+                   domains, a.threads, mix, a.copy_docs, a.drill_steps, a.drill_lr)
     except OSError as e:   # write_atomically has removed its partial directory
         sys.exit(f"error: writing {a.out} failed: {e}")
 

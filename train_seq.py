@@ -4,8 +4,10 @@ stage is followed by an evaluation on every domain, so forgetting and transfer c
 A one-stage curriculum from the base is a single-task oracle (--oracle).
 
 Each stage:
-  1. agentic domains (search, ecommerce) start with a cold start, SFT on --rft-prompts train prompts' rollouts
-     with full reward and well-formed tool calls (deduplicated; loss on the agent's tokens only): the expert's
+  1. a cold start (a domain with --rft-prompts > 0: every domain in the tiny preset, whose base has read each
+     domain's knowledge but never the agent protocol; search and ecommerce in the 8B preset, as the authors), SFT on
+     --rft-prompts train prompts' rollouts with full reward and well-formed tool calls (deduplicated; loss on the
+     agent's tokens only): the expert's
      (--cold-start expert, the authors' recipe: the tiny worlds' scripted expert, or teacher rollouts in
      --expert-data at full scale) or the policy's own, --rft-samples per prompt (--cold-start self, RFT)
      -> runs/<preset>/seq/<i>-<domain>-rft/;
@@ -96,7 +98,7 @@ def grpo_loss(logp, b, x, a):
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
                  prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr="2e-4", kl_coef="0", loss="grpo",
-                 minibatches=1, cold_start="expert", rft_prompts="search=256,ecommerce=96", rft_samples=4, rft_epochs=2, rft_lr=1e-3,
+                 minibatches=1, cold_start="expert", rft_prompts="math=256,search=256,ecommerce=96,if=256", rft_samples=4, rft_epochs=2, rft_lr=1e-3,
                  eval_n=30, max_gen_rounds=2, math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
                      group="math=16,search=8,ecommerce=8,if=8", lr="1e-6",
@@ -104,12 +106,9 @@ PRESETS = {
                      max_tokens="math=17408,search=8192,ecommerce=8192,if=8192",
                      max_turn_tokens="math=16384,search=2048,ecommerce=2048,if=2048", kl_coef="math=0.01,search=0,ecommerce=0.1,if=0",
                      loss="math=grpo,search=gspo,ecommerce=gspo,if=grpo", minibatches=2, cold_start="self",
-                     rft_prompts=2048, rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, max_gen_rounds=3,
+                     rft_prompts="math=0,search=2048,ecommerce=2048,if=0", rft_samples=8, rft_epochs=2, rft_lr=1e-5, eval_n=None, max_gen_rounds=3,
                      math_data="BytedTsinghua-SIA/DAPO-Math-17k"),
 }
-AGENTIC = ("search", "ecommerce")
-
-
 def group_advantages(episodes, drop_flat: bool = True, eps: float = 1e-6):
     """GRPO: each episode's reward minus its group's mean, over the group's std. Groups are the samples of
     one task (same task_id). Groups whose rewards are all equal carry no signal: with drop_flat (dynamic
@@ -158,11 +157,11 @@ def recipe(a, domain: str) -> dict:
     init = os.path.abspath(a.init) if os.path.isdir(a.init) else a.init
     before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
     parent = stage_dir(a, len(before), before[-1]) if before else a.init
-    agentic = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
+    cold = a.rft_prompts_by_domain.get(domain, 0) > 0
     return dict(grpo_recipe(a, domain, parent), rft_samples=a.rft_samples, rft_epochs=a.rft_epochs, rft_lr=a.rft_lr,
-                rft_prompts=a.rft_prompts_by_domain[domain] if agentic else 0, cold_start=a.cold_start if agentic else None,
-                expert_data=os.path.abspath(a.expert_data) if agentic and a.expert_data else None, init=init,
-                trained_after=before, expert_data_id=common.identity(a.expert_data) if agentic and a.expert_data else None)
+                rft_prompts=a.rft_prompts_by_domain[domain] if cold else 0, cold_start=a.cold_start if cold else None,
+                expert_data=os.path.abspath(a.expert_data) if cold and a.expert_data else None, init=init,
+                trained_after=before, expert_data_id=common.identity(a.expert_data) if cold and a.expert_data else None)
 
 
 def stage_args(a, domain: str):
@@ -203,7 +202,7 @@ def keep_successes(episodes) -> list:
 
 
 def cold_start(policy, tok, backend, env, domain, tasks, a, stage_name, out=None):
-    """The agentic stages' cold start, SFT on rollouts that keep_successes keeps (full reward, well-formed tool
+    """A stage's cold start, SFT on rollouts that keep_successes keeps (full reward, well-formed tool
     calls, distinct): --cold-start self samples them from the policy (rejection-sampled fine-tuning, RFT);
     --cold-start expert takes a stronger model's, as the study's authors did (Qwen3-30B-A3B rollouts): in the tiny
     worlds the scripted expert's episodes of the same prompts (envs.rollout.expert_episodes), at full scale the
@@ -353,13 +352,13 @@ def stage_backend(a, tok, path, policy, device):
 
 
 def run_stage(i, domain, parent, a, device, env):
-    """Cold start (agentic domains) + GRPO + save + evaluate; returns the stage's checkpoint directory."""
+    """Cold start (where --rft-prompts > 0) + GRPO + save + evaluate; returns the stage's checkpoint directory."""
     a = stage_args(a, domain)
     out = stage_dir(a, i, domain)
     name = os.path.relpath(out, a.runs)
     t0 = time.time()
     rft_dir = out + "-rft"
-    use_rft = domain in AGENTIC and a.rft_prompts_by_domain.get(domain, 0) > 0
+    use_rft = a.rft_prompts_by_domain.get(domain, 0) > 0
     rft_done = use_rft and common.read_meta(rft_dir).get("recipe") == recipe(a, domain)
     start = rft_dir if rft_done else parent    # decided before loading: one policy, one backend
     policy, tok = common.load_policy(start, common.shard_device(device), a.attn, a.grad_ckpt)
@@ -473,12 +472,12 @@ def get_args(argv=None):
                                                           "-> runs/<preset>/oracle/<domain>")
     add_grpo_flags(p, preset)
     p.add_argument("--cold-start", default=preset["cold_start"], choices=["expert", "self"],
-                   help="agentic stages' cold start: SFT on an expert's rollouts (tiny: the worlds' scripted expert; "
+                   help="the stages' cold start: SFT on an expert's rollouts (tiny: the worlds' scripted expert; "
                         "full scale: --expert-data) or on the policy's own filtered samples (RFT)")
     p.add_argument("--expert-data", default=None, metavar="DIR", help="--cold-start expert at full scale: teacher "
                    "rollouts, *.jsonl of episode records (evaluate.py --save-episodes on the train split)")
     p.add_argument("--rft-prompts", default=preset["rft_prompts"],
-                   help="cold start of agentic stages: train prompts (0 = none): N or domain=N,...")
+                   help="each stage's cold start: train prompts (0 = none): N or domain=N,...")
     p.add_argument("--rft-samples", type=int, default=preset["rft_samples"], help="--cold-start self: samples per prompt")
     p.add_argument("--rft-epochs", type=int, default=preset["rft_epochs"], help="cold-start SFT epochs")
     p.add_argument("--rft-lr", type=float, default=preset["rft_lr"], help="cold-start SFT learning rate")
@@ -495,7 +494,7 @@ def check_args(a):
     resolved fields."""
     from envs import parse_domains
     a.curriculum = list(parse_domains(a.curriculum))
-    a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, [d for d in a.curriculum if d in AGENTIC])
+    a.rft_prompts_by_domain = per_domain("--rft-prompts", a.rft_prompts, a.curriculum)
     check_shared_flags(a, a.curriculum)
     check_grpo_flags(a, a.curriculum)
     if not (min(a.rft_prompts_by_domain.values(), default=0) >= 0 and a.rft_samples >= 1 and a.rft_epochs >= 1

@@ -83,10 +83,9 @@ def checkpoint(path: str | None, seed: int) -> str:
         return path
     from transformers import Qwen3ForCausalLM
 
-    from pretrain import model_config, train_tokenizer
+    from pretrain import model_config, protocol_texts, train_tokenizer
     print(f"no checkpoint at {path}: building a random tiny model in a temporary directory")
-    texts = [m["content"] for d in make_env("math").demos(500, seed=seed) for m in d["messages"]]
-    tok = train_tokenizer(texts)
+    tok = train_tokenizer(make_env("math").knowledge(500, seed=seed) + protocol_texts(["math"]))
     torch.manual_seed(seed)
     out = tempfile.mkdtemp(prefix="grpo-vs-trl-")
     Qwen3ForCausalLM(model_config(tok, "tiny")).save_pretrained(out)

@@ -71,7 +71,7 @@ class EpisodeState:
 
 class Env:
     """One domain. Subclasses set `domain` and `max_turns` and implement tasks, step and score (reset, benchmark
-    and demos where they apply)."""
+    and knowledge where they apply)."""
     domain = ""
     max_turns = 1
 
@@ -114,12 +114,20 @@ class Env:
         (real data). The env's answers to them are deterministic: rollout.expert_episodes replays them."""
         return None
 
-    def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
-        """Tiny arena only: n complete example conversations for the base model's pre-training corpus,
-        each {"messages": [...including assistant turns...], "tools": [...] | None}. A fraction
-        `noise` of them is deliberately wrong (wrong answer, rule ignored, wrong tool argument) so the
-        base is weak but not zero and RL has signal. Drawn from the train split's distribution only."""
+    def knowledge(self, n: int, seed: int = 0) -> list:
+        """Tiny arena only: n plain-text documents of this domain's knowledge for the base model's pre-training
+        corpus (pretrain.py): the facts and skills a stage later elicits, as text a base could have read (worked
+        arithmetic, encyclopaedia passages and reading comprehension, a store's catalogue, policy and case notes,
+        writing of many kinds). Never the agent protocol (PROTOCOL_MARKERS: the chat template, tool calls, \\boxed{},
+        <answer>), which the stages teach, and never a held-out split's content (val, test, ood tasks), so the
+        base stays a base and a test score is not memorised. Deterministic in (n, seed)."""
         raise NotImplementedError
+
+
+# What the stages teach and a base's pre-training text never contains (Env.knowledge): the chat template's markers,
+# the tool-call and tool-result tags, math's boxed answer and search's answer tag.
+PROTOCOL_MARKERS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "\\boxed",
+                    "<answer>", "</answer>", "<think>")
 
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -213,7 +221,7 @@ def valid_tool_calls(messages, tools) -> bool:
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
-    """The exact text the policy is expected to write for one call (used by demos and tests)."""
+    """The exact text the policy is expected to write for one call (the scripted experts and tests)."""
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "</tool_call>"
 
 

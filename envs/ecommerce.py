@@ -292,12 +292,18 @@ def _telecom_task(rng, split, task_id):
 
 def _tiny_task(task_id, split, world, kind, db, actions, outputs, goal, identity, noise):
     """gold: the initial db, the gold actions and required outputs (the reward), the scripted user's
-    lines, and `noise`: mistaken write arguments that demos() uses for its deliberately wrong episodes."""
+    lines, and `noise`: mistaken write arguments, for expert_turns' mistaken episodes (the reward tests)."""
     return Task(id=task_id, env="ecommerce", split=split, tools=SCHEMAS[world],
                 messages=[{"role": "system", "content": TINY_POLICY[world]}, {"role": "user", "content": goal}],
                 gold={"world": world, "kind": kind, "db": db, "actions": actions, "outputs": outputs,
                       "user": {"goal": goal, "identity": identity},
                       "instruction": f"{goal} If asked who you are, say: {identity}.", "noise": noise})
+
+
+def confirmation(name, args) -> str:
+    """What the expert asks before a change: "Please confirm (yes/no): cancel_pending_order #W1234, no longer needed."."""
+    shown = [", ".join(v) if isinstance(v, list) else str(v) for v in args.values()]
+    return f"Please confirm (yes/no): {name} {', '.join(s for s in shown if s)}."
 
 
 def expert_turns(task, mistake=None):
@@ -320,8 +326,7 @@ def expert_turns(task, mistake=None):
         return texts + [restate + ANSWER[g["kind"]].format(g["noise"]["wrong_arg"] if wrong else g["outputs"][0])]
     args = g["noise"][mistake] if mistake in ("wrong_arg", "wrong_order") else write["arguments"]
     if mistake != "no_confirm":
-        shown = [", ".join(v) if isinstance(v, list) else str(v) for v in args.values()]
-        texts.append(restate + f"Please confirm (yes/no): {write['name']} {', '.join(s for s in shown if s)}.")
+        texts.append(restate + confirmation(write["name"], args))
     if mistake != "no_action":
         texts.append(tool_call_text(write["name"], args))
     return texts + ["Done."]
@@ -336,6 +341,331 @@ def play(env, task, texts):
         env.step(state, text)
     return state
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# The base's pre-training text (EcommerceEnv.knowledge): the two stores' policy, records and worked cases in plain
+# prose, never the protocol (chat turns, tool calls: the stage's cold start teaches them). Tools are named in words,
+# as a manual names them; records are shown in prose or as the exact JSON a tool returns (data the agent must read).
+
+KNOWLEDGE_KINDS = ("policy", "records", "case")
+RETAIL_POLICY = (   # (topic, wordings), in the order an episode meets them; {oid} and the like: an example's values
+    ("verify", (
+        "Every request starts with the user's identity. The agent asks for the user's email, or for their first name, "
+        "last name and zip code, and looks up the user id: by email with find_user_id_by_email, or by name and zip "
+        "with find_user_id_by_name_zip. A user id looks like {uid}.",
+        "First the agent authenticates the user, even when the user has already named an order. An email address "
+        "finds the user id through find_user_id_by_email; a first name, a last name and a zip code find it through "
+        "find_user_id_by_name_zip. When nobody matches, the lookup says user not found.",
+        "The agent never acts for a user it has not verified. It asks for the email, or the name and zip. With the "
+        "email it looks the user up by email (find_user_id_by_email); with the name and zip it looks the user up by "
+        "name and zip (find_user_id_by_name_zip). Either lookup returns the user id, such as {uid}.")),
+    ("order", (
+        "Next the agent checks the order the user names. get_order_details takes the order id, which starts with #W, "
+        "and returns the order's record: its status (pending, processed or delivered), its items, each with an item "
+        "id, a product id, a name, options and a price, and its payment history with the amount paid and the payment "
+        "method id.",
+        "The agent reads an order before it does anything with it: get_order_details with the order id, such as {oid}. "
+        "The record says whether the order is pending, processed or delivered, lists the items with their item ids "
+        "and prices, and shows the payment: the amount and the payment method.",
+        "An order is checked with get_order_details. Its status decides what may be done: a pending order can be "
+        "cancelled or sent to a new address, a delivered order's items can be returned or exchanged, and a processed "
+        "order can be neither. get_user_details shows a user's profile: name, email, address, payment methods and "
+        "order ids.")),
+    ("confirm", (
+        "Before any change the agent tells the user exactly what it will do, with the details, and asks the user to "
+        "confirm (yes/no). Only after the user says yes does the agent make the change. One yes allows one change.",
+        "No change without consent. The agent first writes out the action and its details, for example: Please "
+        "confirm (yes/no): cancel_pending_order {oid}, no longer needed. If the user answers yes, the agent goes "
+        "ahead; otherwise it changes nothing.",
+        "Cancelling, changing an address, returning and exchanging all change the store's records, so each needs the "
+        "user's yes. The agent asks the user to confirm (yes/no) right before the change and makes it only after "
+        "the yes; a second change needs a second yes.")),
+    ("cancel", (
+        "Only a pending order can be cancelled, and only for one of two reasons: no longer needed, or ordered by "
+        "mistake. The agent cancels it with cancel_pending_order, giving the order id and the reason. The status "
+        "becomes cancelled and the amount paid is refunded: to a gift card at once, to a credit card or paypal in "
+        "5 to 7 days.",
+        "To cancel an order the agent needs the order id and the reason, which must be no longer needed or ordered "
+        "by mistake; a user who ordered by mistake gets the second, a user who does not need it any more the first. "
+        "cancel_pending_order works only while the order is pending.",
+        "Cancellation: check that the order is pending, take the reason from the user (no longer needed, or ordered "
+        "by mistake), confirm, then cancel_pending_order with the order id and the reason. The refund goes back to "
+        "the payment method of the order.")),
+    ("address", (
+        "A pending order can be shipped to a new address. modify_pending_order_address takes the order id and the "
+        "new address1, address2, city, state, country and zip; address2 may be empty and the country is USA.",
+        "To change where a pending order goes, the agent confirms the new street, city, state and zip with the user "
+        "and then calls modify_pending_order_address with the order id and the address fields (address1, address2, "
+        "city, state, country, zip).",
+        "Changing a shipping address is only possible while the order is pending. The agent copies the new address "
+        "the user gives, field by field, into modify_pending_order_address together with the order id.")),
+    ("return", (
+        "The items of a delivered order can be returned. return_delivered_order_items needs the order id, the item "
+        "ids to return, read from the order's items, and the payment method for the refund: the order's original "
+        "payment method, the one in its payment history, or a gift card. The status becomes return requested.",
+        "For a return the agent finds the item the user names in the order (its item id, not its product id) and "
+        "the payment method id of the order's payment, then calls return_delivered_order_items with the order id, "
+        "the item ids and that payment method id. Only a delivered order can be returned.",
+        "Returns: the order must be delivered. The refund goes to the original payment method of the order (or to a "
+        "gift card). The agent calls return_delivered_order_items with order_id, item_ids and payment_method_id.")),
+    ("exchange", (
+        "A delivered item can be exchanged for another option of the same product, such as another color or size. "
+        "The agent reads the product with get_product_details, using the product id of the item in the order, and "
+        "finds the variant with the option the user wants: its item id is the new item id.",
+        "For an exchange the agent needs the order id, the item id of the item to exchange, the new item id (the "
+        "variant of the same product with the wanted option, from get_product_details) and a payment method id for "
+        "the price difference, normally the order's original one. It then calls exchange_delivered_order_items.",
+        "Exchanges: the order must be delivered and the new item must be an available option of the same product. "
+        "The status becomes exchange requested, and the price difference is charged or refunded to the payment "
+        "method given.")),
+    ("amount", (
+        "When a user asks what they paid for an order, the agent reads the payment history of the order "
+        "(get_order_details) and tells the amount of the payment, for example: You paid {paid} dollars.",
+        "The amount paid for an order is the sum of its items' prices, and it is written in the order's payment "
+        "history. The agent answers a question about it with the number read from the record, never a guess: You "
+        "paid {paid} dollars.",
+        "A question about money changes nothing, so it needs no confirmation: the agent verifies the user, reads the "
+        "order and answers with the amount in its payment history.")),
+)
+TELECOM_POLICY = (
+    ("verify", (
+        "The phone company verifies a customer by phone number. find_customer_by_phone takes the number, such as "
+        "{phone}, and returns the customer id; get_customer_details then shows the customer's name, balance and "
+        "line ids.",
+        "First the agent asks the customer for their phone number and looks up the customer id by phone "
+        "(find_customer_by_phone). The customer's details (get_customer_details) list the customer's lines.",
+        "No change is made for a caller who has not been verified. The phone number finds the customer "
+        "(find_customer_by_phone); the customer id gives the details with get_customer_details.")),
+    ("line", (
+        "To find the caller's line the agent reads the customer's lines in the order they are listed, with "
+        "get_line_details, until it reaches the line whose phone is the caller's number. A line record shows the "
+        "line id (such as {lid}), its phone, its plan id, its status (active or suspended) and its data in GB.",
+        "A customer may have several lines. The agent checks them one by one with get_line_details and acts on the "
+        "line whose phone number is the one the customer gave.",
+        "The line is checked before any change: get_line_details with the line id returns the phone, plan id, "
+        "status and data of the line.")),
+    ("confirm", (
+        "Before any change the agent states it and asks the customer to confirm (yes/no); it acts only after a yes. "
+        "One yes allows one change.",
+        "No change without consent. The agent writes out the change, for example: Please confirm (yes/no): "
+        "suspend_line {lid}, travel. Only if the customer answers yes does it go ahead.",
+        "Suspending, resuming, changing a plan and adding data all need the customer's yes, asked for right before "
+        "the change.")),
+    ("suspend", (
+        "Only an active line can be suspended, and only for one of two reasons: lost phone or travel. suspend_line "
+        "takes the line id and the reason; the line's status becomes suspended.",
+        "A customer who lost the phone, or who is going to travel, may suspend the line. The agent calls "
+        "suspend_line with the line id and the reason, lost phone or travel.",
+        "Suspension: check that the line is active, take the reason (lost phone, or travel), confirm, then "
+        "suspend_line with the line id and the reason.")),
+    ("resume", (
+        "A suspended line is resumed with resume_line and the line id; its status becomes active again. An active "
+        "line cannot be resumed.",
+        "To resume a line the agent checks that it is suspended, confirms with the customer, and calls resume_line "
+        "with the line id.",
+        "Resuming needs only the line id: resume_line turns a suspended line back to active.")),
+    ("plan", (
+        "The company has three plans: {plans}. Plan ids differ from store to store, so the agent lists the plans "
+        "(list_plans, which gives each plan's name and id) and uses the id of the plan the customer names.",
+        "To change a plan the agent reads the plans' names and ids with list_plans and calls change_plan with the "
+        "line id and the new plan id. The line must be active and the new plan different from its current one.",
+        "Plans: {plans}. change_plan moves an active line to another plan; it takes the line id and the plan id, "
+        "which the agent finds by the plan's name in list_plans.")),
+    ("data", (
+        "Extra data is added with add_data: the line id and the number of GB, from 1 to 10. Each GB costs 5 "
+        "dollars, added to the customer's balance.",
+        "A customer may buy more data for a line. add_data takes the line id and gb, the amount the customer asks "
+        "for; the line's data grows by that many GB and the bill by 5 dollars per GB.",
+        "Data top-ups: 1 to 10 GB at a time, 5 dollars per GB, with add_data on the caller's line.")),
+    ("bill", (
+        "What a customer owes is the balance in the customer's details (get_customer_details). The agent reads it "
+        "and answers, for example: You owe {owe} dollars.",
+        "A question about the bill changes nothing: the agent verifies the caller by phone, reads the customer's "
+        "balance and tells it, such as: You owe {owe} dollars.",
+        "The balance of a customer is the amount owed. The agent tells it as read from the record, never a guess.")),
+)
+POLICY = {"retail": RETAIL_POLICY, "telecom": TELECOM_POLICY}
+POLICY_HEADS = {
+    "retail": ("Store handbook for support agents.", "Online store: the agent policy.",
+               "From the retail support manual.", "How a store agent handles a request."),
+    "telecom": ("Phone company handbook for support agents.", "Telecom support: the agent policy.",
+                "From the phone company's support manual.", "How a phone company agent handles a call."),
+}
+CASE_HEADS = {"retail": ("Case note, online store.", "A store ticket, worked end to end.", "Support log, retail."),
+              "telecom": ("Case note, phone company.", "A phone company ticket, worked end to end.",
+                          "Support log, telecom.")}
+REQUEST_FORMS = ('The customer wrote: "{}"', 'A ticket came in: "{}"', 'The request read: "{}"')
+IDENTITY_FORMS = {"retail": ("The agent asked for an email, or a name and zip, and the user gave {}.",
+                             "Asked who they were, the user answered: {}."),
+                  "telecom": ("The agent asked for the phone number, and the customer gave {}.",
+                              "Asked for their phone number, the customer answered: {}.")}
+LOOKUPS = {"get_order_details": "order_id", "get_product_details": "product_id", "get_user_details": "user_id",
+           "get_customer_details": "customer_id", "get_line_details": "line_id"}   # a record's lookup -> its key
+DONE_FORMS = ("The agent told the customer it was done, and the customer had nothing more to ask.",
+              "The agent said it was done, and the ticket was closed.")
+
+
+def _listed(words) -> str:
+    words = list(words)
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _args_prose(args) -> str:
+    """A call's arguments in words: "order_id #W1234, item_ids 5678 and payment_method_id paypal_123" (empty ones left
+    out, as the expert's confirmation leaves them out)."""
+    shown = {k: ", ".join(v) if isinstance(v, list) else str(v) for k, v in args.items()}
+    return _listed(f"{k} {v}" for k, v in shown.items() if v)
+
+
+def _policy(rng, world) -> str:
+    """A handbook section: 2-3 topics of the world's policy, in the order an episode meets them, each in one of its
+    wordings, with an example's values drawn fresh (train users only)."""
+    (first, last, k), = _people(rng, "train", 1)
+    ex = {"uid": f"{first}_{last}_{k}".lower(), "oid": "#W" + _fresh(rng, set()), "phone": "555-" + _fresh(rng, set()),
+          "lid": "L" + _fresh(rng, set()), "paid": rng.randint(20, 198), "owe": rng.randint(5, 99),
+          "plans": _listed(f"{name} ({price} dollars a month, {gb} GB)" for name, price, gb in PLANS)}
+    topics = POLICY[world]
+    keep = sorted(rng.sample(range(len(topics)), rng.randint(2, 3)))
+    parts = [rng.choice(POLICY_HEADS[world])] + [rng.choice(topics[i][1]).format(**ex) for i in keep]
+    if rng.random() < 0.25:   # the agents' short brief, as the system prompt words it
+        parts.append("In short: " + TINY_POLICY[world])
+    return "\n".join(parts)
+
+
+def _options(options) -> str:
+    return " ".join(f"{k} {v}" for k, v in options.items())
+
+
+def _prose(rng, record) -> str:
+    """One record of the tiny stores (an order, a product, a user, a customer, a line) in prose."""
+    r = record
+    if "variants" in r:
+        variants = [f"{_options(v['options'])} is item {v['item_id']} at {v['price']} dollars"
+                    for v in r["variants"].values()]
+        return rng.choice(("The {} (product {}) comes in these options: {}.", "Product {1} is a {0}: {2}.")).format(
+            r["name"], r["product_id"], _listed(variants))
+    if "items" in r:
+        items = _listed(f"a {it['name']} (item {it['item_id']}, product {it['product_id']}, {_options(it['options'])}, "
+                        f"{it['price']} dollars)" for it in r["items"])
+        paid = _listed(f"a {p['transaction_type']} of {p['amount']} dollars with {p['payment_method_id']}"
+                       for p in r["payment_history"])
+        return f"Order {r['order_id']} of user {r['user_id']} is {r['status']}. It holds {items}. History: {paid}."
+    if "email" in r:
+        a, n = r["address"], r["name"]
+        methods = _listed(m["id"] + (f" (balance {m['balance']} dollars)" if "balance" in m else "")
+                          for m in r["payment_methods"].values())
+        return (f"{n['first_name']} {n['last_name']} has user id {r['user_id']} and email {r['email']}, and lives at "
+                f"{a['address1']}, {a['city']}, {a['state']} {a['zip']}. Payment methods: {methods}. "
+                f"Orders: {_listed(r['orders'])}.")
+    if "line_ids" in r:
+        return (f"Customer {r['name']} ({r['customer_id']}) owes {r['balance']} dollars and has "
+                f"{'line' if len(r['line_ids']) == 1 else 'lines'} {_listed(r['line_ids'])}.")
+    return (f"Line {r['line_id']} of {r['customer_id']} has phone {r['phone']}, plan {r['plan_id']}, status "
+            f"{r['status']} and {r['data_gb']} GB of data.")
+
+
+def _shown(rng, tool, key, text) -> str:
+    """A lookup's record (`text`, what `tool` returned for `key`) as the text shows it: the tool's exact result (JSON,
+    as the agent reads it in an episode) or, one time in two, the same record in prose."""
+    if rng.random() < 0.5:
+        return _prose(rng, json.loads(text))
+    noun = LOOKUPS[tool].split("_")[0]
+    return f"{tool} for {noun} {key} " + rng.choice(("returns:", "gives:", "shows:")) + "\n" + text
+
+
+def _looked_up(rng, world, db, tool, key) -> str:
+    return _shown(rng, tool, key, run_tool(world, db, tool, {LOOKUPS[tool]: key})[0])
+
+
+def _records(rng, task) -> str:
+    """A record sheet of one fresh store: retail, its product types, a product and a user with one of their
+    orders; telecom, its plans and a customer with their lines."""
+    world, db = task.gold["world"], task.gold["db"]
+    if world == "retail":
+        uid = rng.choice(sorted(db["users"]))
+        parts = [rng.choice(("Store records.", "From the store's database.")), "Product types (list_all_product_types): "
+                 + run_tool(world, db, "list_all_product_types", {})[0]]
+        parts += [_looked_up(rng, world, db, "get_product_details", rng.choice(sorted(db["products"]))),
+                  _looked_up(rng, world, db, "get_user_details", uid),
+                  _looked_up(rng, world, db, "get_order_details", rng.choice(db["users"][uid]["orders"]))]
+    else:
+        cid = rng.choice(sorted(db["customers"]))
+        plans = _listed(f"{p['name']} is plan {p['plan_id']} at {p['price']} dollars a month with {p['data_gb']} GB"
+                        for p in db["plans"].values())
+        parts = [rng.choice(("Phone company records.", "From the phone company's database.")), f"Plans: {plans}.",
+                 "list_plans returns: " + run_tool(world, db, "list_plans", {})[0],
+                 _looked_up(rng, world, db, "get_customer_details", cid)]
+        parts += [_looked_up(rng, world, db, "get_line_details", lid) for lid in db["customers"][cid]["line_ids"]]
+    return "\n".join(parts)
+
+
+def _case(rng, task) -> str:
+    """A ticket worked end to end, as a narrative: the request, the identity, each gold lookup and what it returned,
+    the confirmation and the user's yes, the change and its outcome, the answer."""
+    g, world = task.gold, task.gold["world"]
+    db = json_copy(g["db"])
+    parts = [rng.choice(CASE_HEADS[world]), rng.choice(REQUEST_FORMS).format(g["user"]["goal"]),
+             rng.choice(IDENTITY_FORMS[world]).format(g["user"]["identity"])]
+    for a in g["actions"]:
+        name, args = a["name"], a["arguments"]
+        if name in WRITES:
+            parts.append(rng.choice(('The agent asked: "{ask}" The customer said yes.',
+                                     "The agent asked the customer to confirm (yes/no) {name} with {args}, and the "
+                                     "customer answered yes.")).format(ask=confirmation(name, args), name=name,
+                                                                        args=_args_prose(args)))
+        text, _ = run_tool(world, db, name, args)
+        parts.append(_case_step(rng, world, db, g, name, args, text))
+    if g["outputs"]:   # an information request: the answer read off the record
+        parts.append(rng.choice(('The agent answered: "{}"', 'The agent told the customer: "{}"')).format(
+            ANSWER[g["kind"]].format(g["outputs"][0])))
+    else:
+        parts.append(rng.choice(DONE_FORMS))
+    return "\n".join(parts)
+
+
+def _case_step(rng, world, db, g, name, args, text) -> str:
+    """One gold action of a case note, in words, with what it returned."""
+    if name.startswith("find_"):
+        by = {"find_user_id_by_email": "the user id by email", "find_user_id_by_name_zip": "the user id by name and zip",
+              "find_customer_by_phone": "the customer id by phone number"}[name]
+        return f"The agent looked up {by} ({name} with {_args_prose(args)}) and got {text}."
+    if name == "list_plans":
+        want = g["actions"][-1]["arguments"]["plan_id"]
+        return f"list_plans returned {text}: the {db['plans'][want]['name']} plan is plan {want}."
+    if name.startswith("get_"):
+        record = json.loads(text)
+        out = _shown(rng, name, next(iter(args.values())), text)
+        if name == "get_line_details":   # the caller's line is the one with the phone the caller gave
+            mine = record["phone"] == g["user"]["identity"]
+            out += "\nThat is the caller's phone." if mine else "\nThat is not the caller's phone, so the agent read on."
+        if name == "get_product_details":
+            new = g["actions"][-1]["arguments"]["new_item_ids"][0]
+            out += f"\nThe wanted option, {_options(record['variants'][new]['options'])}, is item {new}."
+        return out
+    result = json.loads(text)
+    status = f"the line is now {result['status']}" if world == "telecom" else f"the order's status is now {result['status']}"
+    if name == "change_plan":
+        status = f"the line is now on plan {result['plan_id']}"
+    if name == "add_data":
+        status = (f"the line now has {result['data_gb']} GB, and the customer's balance is "
+                  f"{db['customers'][result['customer_id']]['balance']} dollars")
+    return rng.choice(("The agent then called {} with {}: {}.", "With the yes, the agent ran {} ({}), and {}.")).format(
+        name, _args_prose(args), status)
+
+
+def _knowledge(n, seed):
+    """EcommerceEnv.knowledge's documents with what they show: [{"kind", "world", "doc", "task"}], `task` the fresh
+    tiny task whose store a record sheet or a case note shows (None for policy)."""
+    rng, out = random.Random(f"ecommerce-knowledge:{seed}"), []
+    for _ in range(n):
+        kind, world = rng.choice(KNOWLEDGE_KINDS), rng.choice(("retail", "telecom"))
+        # Train residues for telecom too: a telecom customer's id then never spells a val or test retail user's id.
+        task = None if kind == "policy" else (_retail_task if world == "retail" else _telecom_task)(
+            rng, "train", "knowledge")
+        doc = _policy(rng, world) if kind == "policy" else _records(rng, task) if kind == "records" else _case(rng, task)
+        out.append({"kind": kind, "world": world, "doc": doc, "task": task})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -727,18 +1057,14 @@ class EcommerceEnv(Env):
     def expert(self, task):
         return expert_turns(task) if task.gold.get("kind") not in (None, "real") else None
 
-    def demos(self, n, seed=0, noise=0.5):
-        """Scripted retail episodes from the train distribution; a `noise` fraction makes one mistake (a
-        wrong order or argument, a skipped confirmation, or no action at all; a wrong amount)."""
-        env = EcommerceEnv()  # always the scripted user, whatever this env was built with
-        out = []
-        for i in range(n):
-            rng = random.Random(f"ecommerce-demo-{seed}-{i}")
-            task = _retail_task(rng, "train", f"ecommerce-demo-{seed}-{i}")
-            mistake = None
-            if rng.random() < noise:
-                mistake = "wrong_arg" if task.gold["kind"] == "amount" else \
-                    rng.choice(("wrong_arg", "wrong_order", "no_confirm", "no_action"))
-            state = play(env, task, expert_turns(task, mistake))
-            out.append({"messages": state.messages, "tools": task.tools})
-        return out
+    def knowledge(self, n, seed=0):
+        """The two tiny stores (retail; telecom, the ood split's) in plain text, never a chat turn or a tool call (the
+        stage teaches them), each document a fresh store's, retail and telecom about equally:
+        - policy (1 document in 3): a handbook section, 2-3 topics (verifying, checking, confirming, each operation and
+          the facts it needs, an amount or a bill), each in one of a few wordings;
+        - records (1 in 3): a store's record sheet, retail's products and a user with an order, telecom's plans
+          and a customer with their lines, each record in prose or as the JSON its tool returns;
+        - case notes (1 in 3): a tiny task of either world and any kind worked end to end as a narrative: the
+          request, the identity given, each lookup and its record, the confirmation and the yes, the change, the answer.
+        Retail users are train-split users (RESIDUES): no val or test user ever appears."""
+        return [d["doc"] for d in _knowledge(n, seed)]

@@ -603,8 +603,8 @@ def _describe(iid, k):
     }[iid]
 
 
-def _respond(thing, place, ids, kwargs, rng, violate=None, tries=30):
-    """A template answer that follows every instruction except `violate` (which it must break), or None.
+def _respond(thing, place, ids, kwargs, rng, tries=30):
+    """A template answer that follows every instruction, or None.
 
     Sentences come from a tiny grammar; each instruction is a text transform applied in a fixed order
     (words, then layout, then case, then wrapping). The result is verified with the real checkers, and
@@ -613,25 +613,20 @@ def _respond(thing, place, ids, kwargs, rng, violate=None, tries=30):
     for _ in range(tries):
         n = k.get("detectable_format:number_bullet_lists", k.get("length_constraints:number_paragraphs", {}))
         n = n.get("num_bullets", n.get("num_paragraphs")) or rng.randint(1, 3)
-        if violate in ("detectable_format:number_bullet_lists", "length_constraints:number_paragraphs"):
-            n = max(1, n + rng.choice((-1, 1)))
         a, a2 = rng.sample(ADJS, 2)
         n1, n2 = rng.sample(NOUNS, 2)
         sents = [f"The {thing} of {place} is {a}."] + [t.format(n1=n1, n2=n2, a2=a2, s=rng.choice(SEASONS))
                                                          for t in rng.sample(TEMPLATES, n - 1)]
-        follow = {i for i in ids if i != violate}
-        if "keywords:existence" in follow:
+        if "keywords:existence" in k:
             sents[-1] = sents[-1][:-1] + f" near the {k['keywords:existence']['keywords'][0]}."
         if "arena:letter_words" in k:
             words = LETTER_WORDS[k["arena:letter_words"]["letter"]][:k["arena:letter_words"]["N"]]
             sents[0] = sents[0][:-1] + ", " + ", ".join(words[:-1]) + f" and {words[-1]}."
-        if "arena:exclamation" in follow:
+        if "arena:exclamation" in k:
             sents = [s[:-1] + "!" for s in sents]
-        if "punctuation:no_comma" in follow:
+        if "punctuation:no_comma" in k:
             sents = [s.replace(",", "") for s in sents]
-        elif violate == "punctuation:no_comma":
-            sents[0] = "Well, " + sents[0][0].lower() + sents[0][1:]
-        if "detectable_format:number_highlighted_sections" in follow:
+        if "detectable_format:number_highlighted_sections" in k:
             h = k["detectable_format:number_highlighted_sections"]["num_highlights"]
             sents = [f"*{s}*" if i < h else s for i, s in enumerate(sents)]
         if "detectable_format:number_bullet_lists" in k:
@@ -640,25 +635,25 @@ def _respond(thing, place, ids, kwargs, rng, violate=None, tries=30):
             text = "\n***\n".join(sents)
         else:
             text = " ".join(sents)
-        if "detectable_format:title" in follow:
+        if "detectable_format:title" in k:
             text = f"<<The {thing.title()}>>\n" + text
-        if "detectable_content:postscript" in follow:
+        if "detectable_content:postscript" in k:
             text += "\nP.S. Come and see it."
-        if "startend:end_checker" in follow:
+        if "startend:end_checker" in k:
             text += " " + k["startend:end_checker"]["end_phrase"]
-        if "change_case:english_lowercase" in follow:
+        if "change_case:english_lowercase" in k:
             text = text.lower()
-        if "change_case:english_capital" in follow:
+        if "change_case:english_capital" in k:
             text = text.upper()
-        if "change_case:capital_word_frequency" in follow:
+        if "change_case:capital_word_frequency" in k:
             cap = k["change_case:capital_word_frequency"]["capital_frequency"]
             text = re.sub(r"\w+", lambda m: m.group(0).upper(), text, count=cap)
-        if "startend:quotation" in follow:
+        if "startend:quotation" in k:
             text = f'"{text}"'
-        if "detectable_format:json_format" in follow:
+        if "detectable_format:json_format" in k:
             text = json.dumps({"answer": text})
         result = [_check(i, text, kw) for i, kw in zip(ids, kwargs)]
-        if result == [i != violate for i in ids]:
+        if all(result):
             return text
     return None
 
@@ -711,6 +706,126 @@ def _tiny_tasks(split, n, seed):
 
 
 _TASKS = {}
+
+
+# ----------------------------------------------------------------------------- the base's reading (IFEnv.knowledge)
+
+ALL_TYPES = TRAIN_TYPES + OOD_TYPES
+PAIR_HEADS = (("Instruction:", "Response:"), ("Instruction:", "Output:"), ("Task:", "Answer:"),
+              ("### Instruction:", "### Response:"))
+PAIR_PREAMBLE = ("Below is an instruction that describes a task. "
+                 "Write a response that appropriately completes the request.")
+REQUESTS = ("Write about the {thing} of {place}.",) * 3 + (
+    "Describe the {thing} of {place}.", "Write a short text about the {thing} of {place}.",
+    "Tell me about the {thing} of {place}.")
+SAMPLE_NOUNS = ("a note", "a short text", "a description", "a short piece", "a short passage")
+SAMPLE_INTROS = ("{noun} about the {thing} of {place}, {props}:",
+                 "Here is {noun} about the {thing} of {place}, {props}.",
+                 "Example of {noun} {props}. Topic: the {thing} of {place}.",
+                 "The following is {noun} on the {thing} of {place}, {props}.")
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
+RELATION_WORDS = {"less than": ("fewer than", "under"), "at least": ("at least", "no fewer than")}
+PHRASES = {  # each type's property in other words than _describe's, as a phrase after a noun ("a note ...")
+    "change_case:english_lowercase": ("written entirely in lowercase letters", "with no capital letters at all",
+                                      "in lowercase English from start to end"),
+    "change_case:english_capital": ("written in all capital letters", "in block capitals from start to end",
+                                    "with every letter in upper case"),
+    "punctuation:no_comma": ("without a single comma", "written with no commas", "that uses no commas at all"),
+    "keywords:existence": ('that mentions the word "{kw}"', "that includes the keyword {kw}", "using the word {kw}"),
+    "startend:end_checker": ('that ends with the exact phrase "{end}"', 'whose last words are "{end}"',
+                             'closing with the words "{end}"'),
+    "startend:quotation": ("wrapped in double quotation marks", "enclosed in double quotes from start to end",
+                           "set entirely inside quotation marks"),
+    "detectable_format:title": ("with a title in double angular brackets", "with its title written between << and >>",
+                                "under a title like <<Title>>"),
+    "detectable_format:number_bullet_lists": ("written as exactly {n} bullet points", "made of {n} markdown bullets, "
+                                              "each starting with *", "as a list of {n} points marked with *"),
+    "length_constraints:number_words": ("in {rel} {w} words", "with a length of {rel} {w} words",
+                                        "{rel} {w} words long"),
+    "detectable_format:json_format": ("wrapped in JSON format", "given as a JSON object", "written as JSON"),
+    "length_constraints:number_paragraphs": ("in {n} paragraphs separated by the divider ***",
+                                             "split into {n} paragraphs with *** between them",
+                                             "with {n} paragraphs and a *** line between each two"),
+    "detectable_content:postscript": ("with a postscript starting with {marker}",
+                                      "that ends with a note starting with {marker}", "with a {marker} at the end"),
+    "change_case:capital_word_frequency": ("with at least {n} words in all capital letters",
+                                           "where {n} or more words are fully capitalized",
+                                           "with {n} or more words written in CAPITALS"),
+    "detectable_format:number_highlighted_sections": ("with at least {n} highlighted section{s}, marked *like this*",
+                                                      "with {n} section{s} highlighted with asterisks",
+                                                      "where {n} part{s} stand out in markdown italics"),
+    "arena:exclamation": ("where every sentence ends with an exclamation mark", "with each sentence ending in !",
+                          "written in exclamations only"),
+    "arena:letter_words": ("using at least {n} different words that start with the letter {letter}",
+                           'with {n} or more words beginning with "{letter}"'),
+}
+PROSE = ("The {thing} of {place} is {a}.", "Visitors to {place} often walk to the {thing}.",
+         "In {s}, the {thing} is full of {n1}.", "Near the {thing} there are {n1} and {n2}.",
+         "The people of {place} are proud of their {thing}.", "Every {s}, {place} holds a festival by the {thing}.",
+         "Some say the {thing} is older than {place} itself.", "From the {thing}, you can see the {n1} of {place}.",
+         "Old stories about the {thing} speak of {kw}.", "The {thing} is not far from the {thing2}.",
+         "Most days the {thing} is {a}, but in {s} it is {a2}.", "Children in {place} like the {n1} best.")
+PROSE_FORMS = ("{text}", "{Thing} of {place}\n\n{text}", "{place}\n{text}", "Dear friend,\n{text}\nSee you soon.",
+               "What is the {thing} of {place} like? {text}")
+
+
+def _follows(rng, sizes):
+    """A train-place topic, instructions of every type (train and held-out alike, len drawn from `sizes`), their
+    kwargs and a _respond answer, which the real checkers verified; impossible combinations are drawn again."""
+    while True:
+        thing, place = rng.choice(THINGS), rng.choice(PLACES["train"])
+        ids = rng.sample(ALL_TYPES, rng.choice(sizes))
+        kwargs = [_draw_kwargs(i, rng) for i in ids]
+        text = _respond(thing, place, ids, kwargs, rng)
+        if text is not None:
+            return thing, place, ids, kwargs, text
+
+
+def _phrase(iid, k, rng):
+    """One of PHRASES' wordings of an instruction, its kwargs filled in."""
+    n = next((k[c] for c in ("num_bullets", "num_paragraphs", "num_highlights", "capital_frequency", "N") if c in k), 0)
+    return rng.choice(PHRASES[iid]).format(
+        kw=k.get("keywords", [""])[0], end=k.get("end_phrase"), n=NUMBER_WORDS[n], s="" if n == 1 else "s",
+        rel=rng.choice(RELATION_WORDS.get(k.get("relation"), ("",))), w=k.get("num_words"),
+        letter=k.get("letter"), marker=k.get("postscript_marker"))
+
+
+def _prose(rng):
+    """A few sentences about a thing of a train place, in one of PROSE_FORMS (a paragraph, an entry, a letter...)."""
+    thing, place = rng.choice(THINGS), rng.choice(PLACES["train"])
+    a, a2 = rng.sample(ADJS, 2)
+    n1, n2 = rng.sample(NOUNS, 2)
+    words = dict(thing=thing, Thing=f"The {thing.title()}", place=place, a=a, a2=a2, n1=n1, n2=n2,
+                 s=rng.choice(SEASONS), kw=rng.choice(KEYWORDS), thing2=rng.choice([t for t in THINGS if t != thing]))
+    sents = [PROSE[0]] + rng.sample(PROSE[1:] + TEMPLATES, rng.randint(2, 5))
+    text = " ".join(s.format(**words) for s in sents)
+    return rng.choice(PROSE_FORMS).format(text=text, **words)
+
+
+def _knowledge(n, seed):
+    """IFEnv.knowledge's documents with what they show: [{"kind", "doc", "ids", "kwargs", "text"}], where `text`
+    is the answer inside `doc` that follows every instruction of `ids` (kinds "pair" and "sample"; prose has none)."""
+    rng, out = random.Random(f"if-knowledge:{seed}"), []
+    for _ in range(n):
+        kind = rng.choice(("pair", "sample", "prose"))
+        if kind == "prose":
+            out.append({"kind": kind, "doc": _prose(rng), "ids": [], "kwargs": [], "text": None})
+            continue
+        thing, place, ids, kwargs, text = _follows(rng, (1, 1, 2, 2, 3) if kind == "pair" else (1, 1, 1, 2))
+        if kind == "pair":
+            head, tail = rng.choice(PAIR_HEADS)
+            request = rng.choice(REQUESTS).format(thing=thing, place=place)
+            doc = f"{head} {request} " + " ".join(_describe(i, k) for i, k in zip(ids, kwargs))
+            doc += f"\n{tail}" + rng.choice((" ", "\n")) + text
+            if rng.random() < 0.2:
+                doc = PAIR_PREAMBLE + "\n\n" + doc
+        else:
+            props = " and ".join(_phrase(i, k, rng) for i, k in zip(ids, kwargs))
+            intro = rng.choice(SAMPLE_INTROS).format(noun=rng.choice(SAMPLE_NOUNS), thing=thing, place=place,
+                                                     props=props)
+            doc = intro[0].upper() + intro[1:] + "\n" + text
+        out.append({"kind": kind, "doc": doc, "ids": ids, "kwargs": kwargs, "text": text})
+    return out
 
 
 # ----------------------------------------------------------------------------- the environment
@@ -796,20 +911,12 @@ class IFEnv(Env):
     def expert(self, task):
         return [task.gold["reference"]] if task.gold.get("reference") else None
 
-    def demos(self, n, seed=0, noise=0.5):
-        """Train-distribution conversations; a `noise` fraction breaks exactly one of its instructions."""
-        rng, out = random.Random(f"if-noise:{seed}"), []
-        for task in demo_tasks(n, seed):
-            g = task.gold
-            answer = g["reference"]
-            if rng.random() < noise:
-                thing, place = g["topic"]
-                answer = _respond(thing, place, g["instruction_id_list"], g["kwargs"], rng,
-                                  violate=rng.choice(g["instruction_id_list"])) or answer
-            out.append({"messages": task.messages + [{"role": "assistant", "content": answer}], "tools": None})
-        return out
+    def knowledge(self, n: int, seed: int = 0) -> list:
+        """Writing of many kinds, never a chat turn, about the train places only, for 1-3 instructions of every type
+        (TRAIN_TYPES and the held-out OOD_TYPES: a real base has read all caps, titles, JSON and postscripts):
+        - instruction pairs (1 document in 3): "Instruction: <a request> <_describe's wordings>\\nResponse: <answer>";
+        - described samples (1 in 3): a line naming the property in other words (PHRASES), then the text;
+        - prose (1 in 3): sentences about a thing and its place (PROSE, TEMPLATES), as a paragraph, an entry, a letter.
+        Every answer shown is a _respond answer, verified by the real checkers."""
+        return [d["doc"] for d in _knowledge(n, seed)]
 
-
-def demo_tasks(n, seed=0):
-    """The train-split tasks behind demos(n, seed) (their own stream, so tasks() seeds stay untouched)."""
-    return _generate("train", n, random.Random(f"if-demos:{seed}"))

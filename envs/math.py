@@ -36,6 +36,10 @@ CHOICE_HINT = "Answer with the letter of the correct option within \\boxed{}."
 DEFAULT_N = {"train": 5000, "val": 300, "test": 300, "ood": 300}
 DIGIT_WEIGHTS = (0.7, 0.2, 0.1)            # chance of a 1-, 2-, 3-digit operand in-domain
 OPS, OP_WEIGHTS = ("+", "-", "*"), (0.4, 0.35, 0.25)
+# the base's pre-training text (MathEnv.knowledge): how a worked problem is written down, and the tables' names
+KNOWLEDGE_FORMS = ("Question: What is {e}?\n{w}.\nAnswer: {v}", "{e} = {v}. Worked out: {w}.",
+                   "Compute {e}. {w}. So {e} = {v}.", "What is {e}? {w}. The answer is {v}.")
+TABLE_NAMES = {"+": "Sums", "-": "Differences", "*": "Products"}
 MAX_ANSWER_CHARS = 1000                    # longer "answers" are garbage; never hand them to sympy
 
 BENCHMARKS = ("aime26", "gpqa_diamond", "mmlu_redux")
@@ -212,8 +216,23 @@ def _in_domain(rng: random.Random, split: str) -> tuple:
             return f"{a}{op}{b}", _apply(a, op, b)
 
 
-def _ood(rng: random.Random) -> tuple:
-    """(expression, value): a 4-digit operand, or three operands with precedence or parentheses."""
+def ood_split_of(expr: str) -> str:
+    """Which use an out-of-domain problem (a 4-digit operand, three operands) has: a stable hash gives 1 in 5 to the
+    `ood` evaluation split and the rest to the base's pre-training text (MathEnv.knowledge), so the base has read
+    worked problems of these forms, as a real base has read harder mathematics, but never an evaluated one."""
+    return "ood" if zlib.crc32(expr.encode()) % 5 == 0 else "knowledge"
+
+
+def _ood(rng: random.Random, use: str = "ood") -> tuple:
+    """(expression, value) of `use` (ood_split_of): a 4-digit operand, or three operands with precedence or
+    parentheses."""
+    while True:
+        expr, value = _ood_form(rng)
+        if ood_split_of(expr) == use:
+            return expr, value
+
+
+def _ood_form(rng: random.Random) -> tuple:
     if rng.random() < 0.5:
         op, a, b = rng.choice("+-"), _number(rng, 4), _number(rng, rng.randint(1, 4))
         if op == "-" and a < b:
@@ -235,15 +254,13 @@ def _ood(rng: random.Random) -> tuple:
             return text, value
 
 
-def working(a: int, op: str, b: int, slip: random.Random | None = None) -> tuple:
+def working(a: int, op: str, b: int) -> tuple:
     """Column-by-column working of a+b, a-b (a >= b) or a*b (b one digit), right to left, and its result:
     "7+5=12 so 2; 3+4+1=8 so 82". Each step is one single-digit fact (which train problems cover, even when
     the whole problem is a test one) and then the answer so far, one digit longer: every step copies from
-    just before it. With `slip`, one step's result is off by one and the error carries on (a wrong answer
-    with consistent working). -> (text, answer as int)."""
+    just before it. -> (text, answer as int)."""
     da, db = str(a)[::-1], str(b)[::-1]
     cols = len(da) if op == "*" else max(len(da), len(db))
-    bad = slip.randrange(cols) if slip else -1
     steps, so_far, carry = [], "", 0
     for i in range(cols):
         x = int(da[i]) if i < len(da) else 0
@@ -251,12 +268,10 @@ def working(a: int, op: str, b: int, slip: random.Random | None = None) -> tuple
         if op == "-":
             need = 10 if x - y - carry < 0 else 0
             r = need + x - y - carry
-            r = (r + 1) % 10 if i == bad else r
             fact = f"{need + x}-{y}" + (f"-{carry}" if carry else "") + f"={r}"
             digit, carry = r, need // 10
         else:
             r = x + y + carry if op == "+" else x * y + carry
-            r = r + 1 if i == bad else r
             fact = (f"{x}+{y}" if op == "+" else f"{x}*{y}") + (f"+{carry}" if carry else "") + f"={r}"
             digit, carry = r % 10, r // 10
         last = i == cols - 1
@@ -267,9 +282,15 @@ def working(a: int, op: str, b: int, slip: random.Random | None = None) -> tuple
 
 def expert_working(expr: str) -> str:
     """The scripted expert's reply to "What is <expr>?": each operation in the order it is evaluated, worked
-    column by column as the demos do (working()), then the boxed value, e.g. "37+45: 7+5=12 so 2; 3+4+1=8 so 82.
-    \\boxed{82}". A three-operand ood problem gets one such line per operation; an operation that working()
-    does not cover (a subtraction below zero on the way) is one plain fact, "3-7=-4"."""
+    column by column (working()), then the boxed value, e.g. "37+45: 7+5=12 so 2; 3+4+1=8 so 82. \\boxed{82}"."""
+    lines, value = worked_lines(expr)
+    return ". ".join(lines) + f". \\boxed{{{value}}}"
+
+
+def worked_lines(expr: str) -> tuple:
+    """(lines, value): one line per operation of `expr` in the order it is evaluated, each worked column by column
+    (working()), "37+45: 7+5=12 so 2; 3+4+1=8 so 82"; an operation that working() does not cover (a subtraction below
+    zero on the way) is one plain fact, "3-7=-4"."""
     import ast
 
     def ev(node, lines):
@@ -287,7 +308,7 @@ def expert_working(expr: str) -> str:
 
     lines = []
     value = ev(ast.parse(expr, mode="eval").body, lines)
-    return ". ".join(lines) + f". \\boxed{{{value}}}"
+    return lines, value
 
 
 def _tiny_task(split: str, i: int, seed: int, expr: str, value: int) -> Task:
@@ -394,20 +415,28 @@ class MathEnv(Env):
     def expert(self, task: Task) -> list | None:
         return [expert_working(task.gold["expr"])] if task.gold.get("expr") else None
 
-    def demos(self, n: int, seed: int = 0, noise: float = 0.5) -> list:
-        """[system, user, assistant] conversations from the train split. The assistant works column by
-        column (see working()), then boxes the answer, e.g. "37+45: 7+5=12 so 2; 3+4+1=8 so 82. \\boxed{82}";
-        a `noise` fraction slips once (one column's sum off by one), carried through to a wrong answer."""
-        rng = random.Random(f"math-demos-{seed}")
+    def knowledge(self, n: int, seed: int = 0) -> list:
+        """Arithmetic as a base reads it, never boxed (the stage teaches \\boxed{}):
+        - worked problems (4 documents in 5): 3-8 problems each, worked column by column as the expert works them
+          (worked_lines), in one of KNOWLEDGE_FORMS' phrasings; two in three are in-domain problems of the train
+          split, one in three has an out-of-domain form (a 4-digit operand, three operands) from the knowledge
+          share of ood_split_of;
+        - tables (1 in 5): one digit's single-digit sums, differences or products, "7+5=12, 7+6=13, ...".
+        No val, test or ood problem ever appears."""
+        rng = random.Random(f"math-knowledge-{seed}")
         out = []
         for _ in range(n):
-            expr, _ = _in_domain(rng, "train")
-            a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", expr).groups()
-            text, shown = working(int(a), op, int(b), rng if rng.random() < noise else None)
-            out.append({"messages": [{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": f"What is {expr}?"},
-                                     {"role": "assistant", "content": f"{expr}: {text}. \\boxed{{{shown}}}"}],
-                        "tools": None})
+            if rng.random() < 0.2:
+                d, op = rng.randrange(10), rng.choice(OPS)
+                facts = [f"{d + y}-{y}={d}" if op == "-" else f"{d}{op}{y}={_apply(d, op, y)}" for y in range(10)]
+                out.append(f"{TABLE_NAMES[op]} of {d}: " + ", ".join(facts) + ".")
+                continue
+            problems = []
+            for _ in range(rng.randint(3, 8)):
+                expr, value = _in_domain(rng, "train") if rng.random() < 2 / 3 else _ood(rng, "knowledge")
+                lines, _ = worked_lines(expr)
+                problems.append(rng.choice(KNOWLEDGE_FORMS).format(e=expr, w=". ".join(lines), v=value))
+            out.append("\n\n".join(problems))
         return out
 
     def benchmark(self, name: str, source: str | None = None, n: int | None = None) -> list:

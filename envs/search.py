@@ -254,6 +254,12 @@ SINGLE_HOP_QS = [  # (question, subject kind, attribute)
     ("Where was {} born?", "person", "born"), ("Who does {} work for?", "person", "employer"),
     ("Which country is {} in?", "city", "country"), ("When was {} founded?", "org", "founded"),
     ("Where is {} based?", "org", "hq"), ("What is the capital of {}?", "country", "capital")]
+# ood's single-hop questions, worded as the stage never asks them (as PopQA and TriviaQA word theirs for a model
+# trained on NQ); the base has read these wordings in its pre-training text (SearchEnv.knowledge)
+PARAPHRASE_QS = [
+    ("What is the birthplace of {}?", "person", "born"), ("Which organisation employs {}?", "person", "employer"),
+    ("{} lies in which country?", "city", "country"), ("In what year was {} established?", "org", "founded"),
+    ("Where are the headquarters of {}?", "org", "hq"), ("Name the capital city of {}.", "country", "capital")]
 TWO_HOP_QS = [  # (question, subject kind, first attribute, second attribute)
     ("In which country was {} born?", "person", "born", "country"),
     ("Where is {}'s employer based?", "person", "employer", "hq"),
@@ -289,7 +295,7 @@ NAME_PARTS = name_parts()
 
 def build_world(seed, avoid=frozenset()) -> dict:
     """name -> entity dict {"name", "kind", "pool", attributes...}; every name unique in the world and
-    none in `avoid`. `seed` (an int, or a string for the demos' worlds) fixes the names and the facts."""
+    none in `avoid`. `seed` (an int, or a string such as the knowledge documents' worlds) fixes the names and the facts."""
     rng = random.Random(f"search-world:{seed}")
     used = set(avoid)
 
@@ -331,16 +337,33 @@ def passage(e: dict) -> str:
     return f'"{e["name"]}"\n{text}'
 
 
+FACT_FORMS = {   # attribute -> wordings of one fact in the base's pre-training text (SearchEnv.knowledge)
+    "born": ("{n} was born in {v}.", "{n} is a native of {v}.", "The birthplace of {n} is {v}."),
+    "employer": ("{n} works for {v}.", "{n} is employed by {v}.", "{v} employs {n}."),
+    "country": ("{n} is a city in {v}.", "{n} lies in {v}.", "The city of {n} is in {v}."),
+    "founded": ("{n} was founded in {v}.", "{n} was established in {v}.", "{n} dates from {v}."),
+    "hq": ("{n} is based in {v}.", "The headquarters of {n} are in {v}.", "{n} has its seat in {v}."),
+    "capital": ("The capital of {n} is {v}.", "{v} is the capital city of {n}.", "{n}'s capital is {v}."),
+}
+
+
+def fact_sentence(e: dict, rng) -> str:
+    """An entity's facts in prose, each in a wording drawn from FACT_FORMS (e["only"]: that fact alone)."""
+    attrs = [e["only"]] if "only" in e else [a for a in FACT_FORMS if a in e]
+    return " ".join(rng.choice(FACT_FORMS[a]).format(n=e["name"], v=e[a]) for a in attrs)
+
+
 def world_questions(world: dict, pool: str) -> list:
-    """Every question about a sub-world: single-hop for train/val/test, two-hop for ood.
-    Each is (question, answer, entity names on the path, attribute names on the path)."""
+    """Every question about a sub-world: single-hop for train/val/test; for ood, two-hop questions and single-hop
+    ones in other words (PARAPHRASE_QS), about half each (as Search-R1's out-of-domain sets mix multi-hop and other
+    single-hop datasets). Each is (question, answer, entity names on the path, attribute names on the path)."""
     out = []
     for e in world.values():
         if e["pool"] != pool:
             continue
-        if pool != "ood":
-            out += [(q.format(e["name"]), e[a], [e["name"]], [a]) for q, kind, a in SINGLE_HOP_QS if kind == e["kind"]]
-        else:
+        single = PARAPHRASE_QS if pool == "ood" else SINGLE_HOP_QS
+        out += [(q.format(e["name"]), e[a], [e["name"]], [a]) for q, kind, a in single if kind == e["kind"]]
+        if pool == "ood":
             out += [(q.format(e["name"]), world[e[a1]][a2], [e["name"], e[a1]], [a1, a2])
                     for q, kind, a1, a2 in TWO_HOP_QS if kind == e["kind"]]
     return out
@@ -513,7 +536,7 @@ class SearchEnv(Env):
 
     def expert(self, task: Task) -> list | None:
         """Tiny world: search every name on the question's path (the second hop's name is in the first
-        result), then answer, as the demos do."""
+        result), then answer."""
         if self.full or not task.gold.get("path"):
             return None
         return [tool_call_text("search", {"query": name}) for name in task.gold["path"]] + \
@@ -521,44 +544,49 @@ class SearchEnv(Env):
 
     # -- demonstrations for the tiny base
 
-    def demos(self, n: int, seed: int = 0, noise: float = 0.5, per_world: int = 100) -> list:
-        """Search, read, answer conversations on single-hop questions; a `noise` fraction is wrong: a guess
-        without searching, or another value of the passage copied.
-
-        Every `per_world` demos come from a fresh world, new names and new facts (and its own BM25 index),
-        and no demo mentions a name of this env's val, test or ood sub-worlds. A base can then neither
-        memorise a fact nor a name: it must copy the name into its query and the answer out of the result.
-        Measured: with one fixed world a ~1M base memorised the train facts (47% on train, 0% on test); with
-        the train names fixed and only the facts redrawn, it wrote a memorised train name into the query
-        and never answered a test question (whose names it had not seen)."""
+    def knowledge(self, n: int, seed: int = 0, per_world: int = 100) -> list:
+        """Encyclopaedia text and reading comprehension, never a tool call or an <answer> tag (the stage teaches them):
+        - articles (2 documents in 5): 4-10 entities of a world in prose, each fact in one of FACT_FORMS' wordings;
+        - reading (2 in 5): 2-4 questions, each followed by the passages a search for its subject returns (the BM25
+          top-k, as the tool shows them) and the answer; single-hop questions in the stage's and in other words
+          (SINGLE_HOP_QS, PARAPHRASE_QS);
+        - two-hop reading (1 in 5): a TWO_HOP_QS question, the passages of its first name, the bridge ("X works for
+          Y."), the passages of the second, the answer.
+        Every `per_world` documents come from a fresh world with new names and facts, none a name of this env's val,
+        test or ood sub-worlds: the base learns to read, not the facts. (Measured on the earlier corpus of noisy
+        demonstrations: with one fixed world a ~1M base memorised the train facts, 47% on train and 0% on test; with
+        the train names fixed and only the facts redrawn, it wrote a memorised train name into the query.)"""
         if self.full:
-            raise UsageError("search demos exist only for the tiny world")
-        rng = random.Random(f"search-demos:{seed}")
+            raise UsageError("search knowledge exists only for the tiny world")
+        rng = random.Random(f"search-knowledge:{seed}")
         held_out = frozenset(e["name"] for e in self.world.values() if e["pool"] != "train")
         out = []
         for w in range(0, n, per_world):
-            key = f"{self.seed}:demos:{seed}:{w}"  # the world's seed: build_world(key, held_out) rebuilds it
-            world = build_world(key, held_out)
+            world = build_world(f"{self.seed}:knowledge:{seed}:{w}", held_out)
             index = BM25Index([passage(e) for e in world.values()])
-            names = {}  # kind -> train names, for wrong guesses
-            for e in world.values():
-                if e["pool"] == "train":
-                    names.setdefault(e["kind"], []).append(e["name"])
-            questions = world_questions(world, "train")
-            for question, answer, path, attrs in rng.sample(questions, min(per_world, n - w, len(questions))):
-                task = self._task("train", f"demo-{w}", question, [answer], path=path, attrs=attrs)
-                subject = path[0]
-                # wrong demos guess or copy the wrong value; they never search for another name: a base that
-                # sees queries that differ from the question's name learns not to copy it (measured: 0% EM)
-                kind = rng.choice(["guess", "attribute"]) if rng.random() < noise else "right"
-                if kind == "guess":  # answers without searching: a random name
-                    turns, answer = [], rng.choice(names[rng.choice(["city", "org", "country"])])
-                else:
-                    if kind == "attribute":  # copies another value of the passage (a city has one: any country)
-                        values = [v for k, v in world[subject].items() if k not in ("name", "kind", "pool", attrs[0])]
-                        answer = rng.choice(values or names["country"])
-                    turns = [{"role": "assistant", "content": tool_call_text("search", {"query": subject})},
-                             tool_message("search", format_passages(index.search(subject, self.topk)))]
-                out.append({"messages": task.messages + turns + [{"role": "assistant", "content": f"<answer>{answer}</answer>"}],
-                            "tools": task.tools, "world": key})
+            train = [e for e in world.values() if e["pool"] == "train"]
+            for _ in range(min(per_world, n - w)):
+                kind = rng.random()
+                if kind < 0.4:
+                    out.append(" ".join(fact_sentence(e, rng) for e in rng.sample(train, rng.randint(4, 10))))
+                    continue
+                parts = []
+                for _ in range(1 if kind >= 0.8 else rng.randint(2, 4)):
+                    e = rng.choice(train)
+                    if kind >= 0.8:
+                        hops = [(q, a1, a2) for q, k, a1, a2 in TWO_HOP_QS if k == e["kind"]]
+                        if hops:
+                            q, a1, a2 = rng.choice(hops)
+                            mid = world[e[a1]]
+                            parts.append(f"Question: {q.format(e['name'])}\n"
+                                         f"{format_passages(index.search(e['name'], self.topk))}\n"
+                                         f"{fact_sentence(dict(e, kind=e['kind'], only=a1), rng)}\n"
+                                         f"{format_passages(index.search(mid['name'], self.topk))}\n"
+                                         f"Answer: {mid[a2]}")
+                            continue
+                    q, a = rng.choice([(q, a) for q, k, a in SINGLE_HOP_QS + PARAPHRASE_QS if k == e["kind"]])
+                    parts.append(f"Question: {q.format(e['name'])}\n{format_passages(index.search(e['name'], self.topk))}"
+                                 f"\nAnswer: {e[a]}")
+                out.append("\n\n".join(parts))
         return out
+

@@ -1,7 +1,10 @@
 """The e-commerce environment: golden and wrong transcripts, tool validation, the safe calculator,
-fuzzing, the tiny generator, demos, the real tau-bench v1 / tau2 loaders and the LLM user."""
+fuzzing, the tiny generator, knowledge (the base's pre-training text), the real tau-bench v1 / tau2
+loaders and the LLM user."""
 import json
 import os
+import re
+from collections import Counter
 
 import pytest
 from fake_http import JSONServer
@@ -9,8 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.base import UsageError, parse_tool_calls, tool_call_text
-from envs.ecommerce import EcommerceEnv, expert_turns, play
+from envs.base import PROTOCOL_MARKERS, UsageError, parse_tool_calls, tool_call_text
+from envs.ecommerce import (
+    KNOWLEDGE_KINDS,
+    RESIDUES,
+    RETAIL_KINDS,
+    TELECOM_KINDS,
+    EcommerceEnv,
+    _knowledge,
+    expert_turns,
+    play,
+)
 from envs.tau_store import SCHEMAS, TOOLS, db_hash, run_tool
 
 ENV = EcommerceEnv()
@@ -407,30 +419,90 @@ def test_unknown_split_is_a_clear_error():
     assert isinstance(make_env("ecommerce"), EcommerceEnv)
 
 
-# --- demos ---------------------------------------------------------------------------------------------
+# --- knowledge: the base's pre-training text --------------------------------------------------------------
 
-def test_demos_are_complete_and_noise_controls_their_score():
-    clean, noisy = ENV.demos(40, seed=1, noise=0.0), ENV.demos(40, seed=1, noise=1.0)
-    for demo in clean:
-        roles = [m["role"] for m in demo["messages"]]
-        assert roles[0] == "system" and "assistant" in roles and "tool" in roles
-        assert demo["messages"][-1]["content"] == "###STOP###" and demo["tools"] == SCHEMAS["retail"]
-        for m in demo["messages"]:
-            if m["role"] == "assistant":
-                assert not parse_tool_calls(m["content"])[1]
-    # The demo seed stream is the train distribution: re-create each task and score the transcript.
-    import random
+KNOWLEDGE = _knowledge(600, seed=0)
 
-    from envs.ecommerce import _retail_task
-    for demos, want in ((clean, 1.0), (noisy, 0.0)):
-        for i, demo in enumerate(demos):
-            task = _retail_task(random.Random(f"ecommerce-demo-1-{i}"), "train", "x")
-            texts = [m["content"] for m in demo["messages"] if m["role"] == "assistant"]
-            assert run(EcommerceEnv(), task, texts)[0][0] == want
-    half = ENV.demos(200, seed=2, noise=0.5)
-    n_user_ids = {json.dumps(d["messages"][3]["content"]) for d in half}
-    assert len(n_user_ids) > 150  # varied, not one memorisable conversation
-    assert ENV.demos(5, seed=2) == ENV.demos(5, seed=2)
+
+def test_knowledge_is_deterministic_and_seeded():
+    assert ENV.knowledge(30, seed=1) == EcommerceEnv().knowledge(30, seed=1) != ENV.knowledge(30, seed=2)
+    assert ENV.knowledge(10, seed=1) == ENV.knowledge(30, seed=1)[:10]
+
+
+def test_knowledge_is_plain_text_of_every_kind_in_both_worlds():
+    docs = [d["doc"] for d in KNOWLEDGE]
+    assert docs[:500] == ENV.knowledge(500, seed=0) and all(isinstance(d, str) and d for d in docs)
+    assert not [d for d in docs if any(m in d for m in PROTOCOL_MARKERS)]
+    assert not [d for d in docs if '"arguments"' in d or "###STOP###" in d]   # never a tool call or a chat's end
+    shares = Counter((d["kind"], d["world"]) for d in KNOWLEDGE)
+    assert all(0.1 < shares[(k, w)] / len(docs) < 0.25 for k in KNOWLEDGE_KINDS for w in ("retail", "telecom"))
+    cases = {d["task"].gold["kind"] for d in KNOWLEDGE if d["kind"] == "case"}
+    assert cases == set(RETAIL_KINDS) | set(TELECOM_KINDS)
+    # every JSON record is exactly what a tool returns (compact, keys sorted)
+    records = [line for d in docs for line in d.split("\n") if line.startswith("{")]
+    assert len(records) > 300
+    assert all(json.dumps(json.loads(r), sort_keys=True, separators=(",", ":")) == r for r in records)
+    sizes = sorted(len(d) for d in docs)
+    assert sum(sizes) / len(sizes) < 1000 and sizes[int(0.9 * len(sizes))] < 1200 and sizes[-1] < 2000
+
+
+def test_knowledge_never_shows_a_val_or_test_user():
+    held = {x for s in ("val", "test") for t in ENV.tasks(s) for u in t.gold["db"]["users"].values()
+            for x in (u["user_id"], u["email"])}
+    assert len(held) > 2000
+    text = "\n".join(ENV.knowledge(2000, seed=0))
+    ids = {x for x in re.findall(r"\b[a-z]+_[a-z]+_\d+\b", text) if "_card_" not in x}   # users' and customers' ids
+    emails = set(re.findall(r"\b[a-z]+\.[a-z]+\d+@x\.com\b", text))
+    assert len(ids) > 1000 and len(emails) > 200   # the patterns do find the documents' users and customers
+    assert not (ids | emails) & held
+    assert all(int(re.search(r"\d+", x).group()) % 4 in RESIDUES["train"] for x in ids | emails)
+
+
+def _one(pattern, doc):
+    """The single value `pattern` finds in `doc`, however many times it is stated."""
+    found = set(re.findall(pattern, doc))
+    assert len(found) == 1, (pattern, found, doc)
+    return found.pop()
+
+
+def test_case_notes_state_what_the_store_records_say():
+    # Each fact is worked out from the request as the note states it and the store's records: a note that took its
+    # amount, item, line or plan from another order, product or line of the same store fails here.
+    checked = Counter()
+    for d in KNOWLEDGE:
+        if d["kind"] != "case":
+            continue
+        doc, db, kind = d["doc"], d["task"].gold["db"], d["task"].gold["kind"]
+        goal = re.search(r'"(.+?)"', doc).group(1)
+        if d["world"] == "retail":
+            order = db["orders"][re.search(r"#W\d+", goal).group()]
+            if kind == "amount":
+                paid = int(_one(r"You paid (\d+) dollars", doc))
+                assert paid == order["payment_history"][0]["amount"] == sum(it["price"] for it in order["items"])
+            if kind in ("return", "exchange"):
+                item = next(it for it in order["items"] if f"the {it['name']} in" in goal)
+                assert _one(r"\bitem_ids (\d+)", doc) == item["item_id"]
+                assert _one(r"payment_method_id (\w+)", doc) == order["payment_history"][0]["payment_method_id"]
+            if kind == "exchange":
+                key, value = re.search(r"for (\w+) (\w+)\.$", goal).groups()
+                new = [i for i, v in db["products"][item["product_id"]]["variants"].items() if v["options"] == {key: value}]
+                assert [_one(r"new_item_ids (\d+)", doc)] == new
+            if kind == "address":
+                assert _one(r"country USA and zip (\d+)", doc) == re.search(r"(\d{5})\.$", goal).group(1)
+        else:
+            phone = _one(r"find_customer_by_phone with phone (555-\d+)", doc)
+            line = next(x for x in db["lines"].values() if x["phone"] == phone)
+            if kind == "bill":
+                assert int(_one(r"You owe (\d+) dollars", doc)) == db["customers"][line["customer_id"]]["balance"]
+            else:
+                assert _one(r"line_id (L\d+)", doc) == line["line_id"]
+            if kind == "plan":
+                name = re.search(r"the (\w+) plan", goal).group(1)
+                assert _one(r"plan_id (\d+)", doc) == next(p for p, x in db["plans"].items() if x["name"] == name)
+            if kind == "data":
+                assert _one(r"\bgb (\d+)", doc) == re.search(r"Add (\d+) GB", goal).group(1)
+        checked[kind] += 1
+    assert min(checked[k] for k in RETAIL_KINDS + TELECOM_KINDS) >= 3, checked
 
 
 # --- real data: tau-bench v1 and tau2 formats, LLM user ------------------------------------------------

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.base import UsageError, tool_call_text
+from envs.base import PROTOCOL_MARKERS, UsageError, tool_call_text
 from envs.instruct import (
     ARENA,
     IFBENCH,
@@ -16,8 +16,9 @@ from envs.instruct import (
     PLACES,
     TRAIN_TYPES,
     IFEnv,
+    _describe,
+    _knowledge,
     check_instructions,
-    demo_tasks,
 )
 
 IFEVAL_IDS = {  # the 25 ids of google-research's INSTRUCTION_DICT
@@ -222,34 +223,12 @@ def test_every_generated_task_is_solvable():
             assert run_episode(env, task, task.gold["reference"])[0] == 1.0, task.gold
 
 
-@pytest.mark.parametrize("noise,expect", [(0.0, 30), (1.0, 0), (0.5, None)])
-def test_demos_follow_rules_except_the_noise_fraction(noise, expect):
-    env, n = IFEnv(), 30 if noise != 0.5 else 200
-    demos, tasks = env.demos(n, seed=2, noise=noise), demo_tasks(n, seed=2)
-    assert len(demos) == n and all(d["tools"] is None for d in demos)
-    solved = 0
-    for d, task in zip(demos, tasks):
-        *opening, answer = d["messages"]
-        assert opening == task.messages and answer["role"] == "assistant"
-        assert [m["role"] for m in opening] == ["system", "user"]
-        assert task.gold["topic"][1] in PLACES["train"]  # drawn from the train distribution only
-        reward, m = run_episode(env, task, answer["content"])
-        # a wrong demo breaks exactly one rule (the others stay followed)
-        assert reward == 1.0 or m["inst_followed_strict"] == m["inst_total"] - 1
-        solved += reward
-    if expect is None:
-        assert 0.35 * n <= solved <= 0.65 * n
-    else:
-        assert solved == expect
-
-
 def test_generator_is_deterministic_and_sized():
     env = IFEnv()
     a, b = env.tasks("test", n=20, seed=7), env.tasks("test", n=20, seed=7)
     assert [(t.id, t.messages, t.gold) for t in a] == [(t.id, t.messages, t.gold) for t in b]
     assert [t.messages for t in env.tasks("test", n=20, seed=8)] != [t.messages for t in a]
     assert len(env.tasks("ood")) == 300 and len({t.id for t in env.tasks("ood")}) == 300
-    assert [d["messages"] for d in env.demos(5, seed=1)] == [d["messages"] for d in env.demos(5, seed=1)]
 
 
 def test_splits_are_disjoint_and_ood_types_held_out():
@@ -291,6 +270,53 @@ def test_bad_user_input():
     with pytest.raises(UsageError, match="unknown domain"):
         make_env("iff")
 
+
+
+# ----------------------------------------------------------------------------- the base's reading (knowledge)
+
+@pytest.fixture(scope="module")
+def knowledge_2000():
+    return _knowledge(2000, seed=0)
+
+
+def test_knowledge_is_deterministic_and_sized():
+    docs = IFEnv().knowledge(50, seed=3)
+    assert len(docs) == 50 and all(isinstance(d, str) and d.strip() for d in docs)
+    assert docs == IFEnv().knowledge(50, seed=3) != IFEnv().knowledge(50, seed=4)
+
+
+def test_knowledge_never_holds_the_protocol(knowledge_2000):
+    docs = [r["doc"] for r in knowledge_2000[:500]]
+    assert not [d for d in docs if any(m in d for m in PROTOCOL_MARKERS)]
+    assert not [d for d in docs if "Writing task" in d]  # the stage's system prompt is no document either
+
+
+def test_knowledge_topics_are_train_places_only(knowledge_2000):
+    import re
+    held_out = re.compile(r"\b(" + "|".join(PLACES["val"] + PLACES["test"] + PLACES["ood"]) + r")\b", re.I)
+    docs = [r["doc"] for r in knowledge_2000]
+    assert not [d for d in docs if held_out.search(d)]
+    assert sum(any(p in d for p in PLACES["train"]) for d in docs) == len(docs)  # every document is about one
+
+
+def test_knowledge_kinds_and_every_type_in_the_pairs(knowledge_2000):
+    kinds = [r["kind"] for r in knowledge_2000]
+    assert all(500 <= kinds.count(k) <= 850 for k in ("pair", "sample", "prose"))
+    pairs = [r for r in knowledge_2000 if r["kind"] == "pair"]
+    for r in pairs:  # the instruction is worded as the stage words it
+        assert all(_describe(i, k) in r["doc"] for i, k in zip(r["ids"], r["kwargs"]))
+    assert {i for r in pairs for i in r["ids"]} == set(TRAIN_TYPES) | set(OOD_TYPES)
+    assert {i for r in knowledge_2000 if r["kind"] == "sample" for i in r["ids"]} == set(TRAIN_TYPES) | set(OOD_TYPES)
+    assert max(len(r["ids"]) for r in pairs) == 3
+
+
+def test_knowledge_answers_follow_their_instructions(knowledge_2000):
+    shown = [r for r in knowledge_2000 if r["kind"] != "prose"]
+    for r in shown:
+        assert r["doc"].endswith("\n" + r["text"]) or r["doc"].endswith(" " + r["text"])
+        assert check_instructions(r["text"], r["ids"], r["kwargs"])["prompt_strict"], r["doc"]
+    lengths = [len(r["doc"]) for r in knowledge_2000]
+    assert sum(n < 600 for n in lengths) >= 0.95 * len(lengths)
 
 # ----------------------------------------------------------------------------- real loaders on local fixtures
 

@@ -10,7 +10,18 @@ from hypothesis import strategies as st
 
 from envs import make_env
 from envs.base import Task, UsageError
-from envs.math import BENCHMARKS, MathEnv, grade, last_boxed, problem_key, split_of, working
+from envs.math import (
+    BENCHMARKS,
+    TABLE_NAMES,
+    MathEnv,
+    grade,
+    last_boxed,
+    ood_split_of,
+    problem_key,
+    split_of,
+    worked_lines,
+    working,
+)
 
 
 def run(env, task, text, truncated=False):
@@ -165,8 +176,8 @@ def test_generator_is_deterministic_and_seeded(env):
     a, b = env.tasks("test", n=50, seed=7), MathEnv().tasks("test", n=50, seed=7)
     assert [(t.id, t.messages, t.gold) for t in a] == [(t.id, t.messages, t.gold) for t in b]
     assert [t.gold for t in env.tasks("test", n=50, seed=8)] != [t.gold for t in a]
-    assert env.demos(20, seed=1) == MathEnv().demos(20, seed=1)
-    assert env.demos(20, seed=1) != env.demos(20, seed=2)
+    assert env.knowledge(20, seed=1) == MathEnv().knowledge(20, seed=1)
+    assert env.knowledge(20, seed=1) != env.knowledge(20, seed=2)
 
 
 def test_default_sizes_and_unique_ids(env):
@@ -210,25 +221,31 @@ def _parts(k: str) -> tuple:
     return int(a), op, int(b)
 
 
-def test_demos_format_noise_and_train_only(env):
-    clean = env.demos(200, seed=0, noise=0.0)
-    assert all([m["role"] for m in d["messages"]] == ["system", "user", "assistant"] and d["tools"] is None
-               for d in clean)
-    test_keys = {key(t.gold["expr"]) for s in ("test", "val") for t in env.tasks(s, n=2000)}
-    for d in clean:
-        expr = re.fullmatch(r"What is (.+)\?", d["messages"][1]["content"]).group(1)
-        gold = {"kind": "exact", "answer": str(value_of(expr))}
-        a, op, b = _parts(expr)
-        assert d["messages"][2]["content"] == f"{expr}: {working(a, op, b)[0]}. \\boxed{{{gold['answer']}}}"
-        assert key(expr) not in test_keys and split_of(*_parts(key(expr))) == "train"
-    noisy = env.demos(400, seed=0, noise=0.5)
-    wrong = 0
-    for d in noisy:
-        expr = re.fullmatch(r"What is (.+)\?", d["messages"][1]["content"]).group(1)
-        wrong += grade(d["messages"][2]["content"], {"kind": "exact", "answer": str(value_of(expr))}) == 0.0
-    assert 0.4 < wrong / len(noisy) < 0.6
-    assert all(grade(d["messages"][2]["content"], {"kind": "exact", "answer": str(value_of(
-        d["messages"][1]["content"][8:-1]))}) == 0.0 for d in env.demos(50, noise=1.0))
+def test_knowledge_is_plain_worked_arithmetic_of_no_held_out_problem(env):
+    from envs.base import PROTOCOL_MARKERS
+    docs = env.knowledge(600, seed=0)
+    assert not [d for d in docs if any(m in d for m in PROTOCOL_MARKERS)]
+    held_out = {key(t.gold["expr"]) for s in ("test", "val") for t in env.tasks(s, n=2000)}
+    ood = {t.gold["expr"] for t in env.tasks("ood", n=2000)}
+    shown, tables, forms = [], 0, 0
+    for d in docs:
+        if d.startswith(tuple(TABLE_NAMES.values())):
+            tables += 1
+            for fact in re.findall(r"(\d+[-+*]\d+)=(\d+)", d):
+                assert value_of(fact[0]) == int(fact[1])
+            continue
+        for problem in d.split("\n\n"):
+            expr = re.match(r"(?:Question: What is |Compute |What is )?([-+*()\d]+)", problem).group(1)
+            value = int(re.search(r"(?:Answer: |The answer is |= )(\d+)", problem).group(1))
+            assert value == value_of(expr)                          # every stated result is right
+            assert ". ".join(worked_lines(expr)[0]) in problem      # worked as the expert works it
+            shown.append(expr)
+            forms += len(operands(expr)) == 3 or max(operands(expr)) >= 1000
+    assert 0.1 < tables / len(docs) < 0.3 and 0.2 < forms / len(shown) < 0.5
+    assert not [e for e in shown if len(operands(e)) == 2 and max(operands(e)) < 1000 and key(e) in held_out]
+    assert not set(shown) & ood and all(ood_split_of(e) == "knowledge" for e in shown if e not in ood and (
+        len(operands(e)) == 3 or max(operands(e)) >= 1000))
+    assert all(ood_split_of(t.gold["expr"]) == "ood" for t in env.tasks("ood", n=300))
 
 
 def test_tiny_prompts_are_short(env):
@@ -394,7 +411,7 @@ def test_math_verify_grading_works_off_the_main_thread():
         assert list(pool.map(lambda t: grade(t, gold), ["\\boxed{0.5}", "\\boxed{2}"])) == [1.0, 0.0]
 
 
-def test_working_is_right_column_by_column_and_a_slip_is_wrong():
+def test_working_is_right_column_by_column():
     import random
     assert working(37, "+", 45) == ("7+5=12 so 2; 3+4+1=8 so 82", 82)
     assert working(105, "-", 98) == ("15-8=7 so 7; 10-9-1=0 so 07; 1-0-1=0 so 007", 7)
@@ -406,4 +423,3 @@ def test_working_is_right_column_by_column_and_a_slip_is_wrong():
         a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)
         want = a + b if op == "+" else a - b if op == "-" else a * b
         assert working(a, op, b)[1] == want
-        assert working(a, op, b, random.Random(rng.random()))[1] != want

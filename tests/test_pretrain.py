@@ -18,14 +18,14 @@ def run(*args, timeout=600):
 
 def test_build_base_end_to_end(tmp_path):
     out = tmp_path / "base"
-    r = run("--out", str(out), "--size", "micro", "--steps", "30", "--n-demos", "40", "--vocab-size", "400",
+    r = run("--out", str(out), "--size", "micro", "--steps", "30", "--n-docs", "40", "--vocab-size", "400",
             "--threads", "1", "--drill-steps", "0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "induction drill" not in r.stdout            # --drill-steps 0 turns the default drill off
     meta = json.loads((out / "acl_meta.json").read_text())
     assert meta["method"] == "base" and meta["step"] == 30 and meta["config"]["size"] == "micro"
     from pretrain import DEFAULT_MIX
-    assert meta["config"]["mix"] == DEFAULT_MIX == {"ecommerce": 4.0} and meta["config"]["drill_steps"] == 0   # the default mix
+    assert meta["config"]["mix"] == DEFAULT_MIX == {} and meta["config"]["drill_steps"] == 0   # the default mix
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # nothing half-written left
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,7 +47,7 @@ def test_build_base_end_to_end(tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["--domains", "math,chess"], "unknown domain 'chess'"),
     (["--steps", "0"], "--steps"),
-    (["--noise", "1.5"], "--noise"),
+    (["--n-docs", "0"], "--n-docs"),
     (["--mix", "search=0"], "bad --mix item 'search=0'"),
     (["--mix", "chess=2"], "bad --mix item 'chess=2'"),
     (["--drill-steps", "-1"], "--drill-steps"),
@@ -99,7 +99,7 @@ def test_copy_rows_are_fresh_sequences_said_three_times():
 def drill_build(tmp_path_factory):
     """(checkpoint dir, finished process) of a micro build with the drill, made once for the tests below."""
     out = tmp_path_factory.mktemp("drill") / "base"
-    r = run("--out", str(out), "--size", "micro", "--steps", "10", "--n-demos", "20", "--vocab-size", "400",
+    r = run("--out", str(out), "--size", "micro", "--steps", "10", "--n-docs", "20", "--vocab-size", "400",
             "--threads", "1", "--drill-steps", "10", "--copy-docs", "30")
     assert r.returncode == 0, r.stderr[-2000:]
     return out, r
@@ -136,7 +136,7 @@ def test_the_drill_goes_on_in_rounds_until_copying_forms(monkeypatch, tmp_path):
     monkeypatch.setattr(tiny, "pretrain", fake_pretrain)
     from acl import common
     monkeypatch.setattr(common, "save_checkpoint", lambda out, model, tok, meta: calls.append(("meta", meta)))
-    tiny.build_base(str(tmp_path / "b"), steps=2, seed=5, size="micro", n_demos=5, vocab_size=400, threads=1,
+    tiny.build_base(str(tmp_path / "b"), steps=2, seed=5, size="micro", n_docs=5, vocab_size=400, threads=1,
                     drill_steps=20)
     names = [c[0] for c in calls[:-1]]
     assert names == ["drill", "drill round 2"] and [c[1] for c in calls[:-1]] == [5, 1005]
@@ -217,19 +217,25 @@ def test_progress_every_five_percent_with_eta(capsys, monkeypatch):
     assert common.eta(t0, 25, 75) == "10s elapsed, ETA 30s" and common.eta(t0, 25, 75, at_most=True).endswith("<=30s")
 
 
-def test_tiny_token_limits_fit_every_by_the_book_episode():
-    """A by-the-book e-commerce episode is ~1,000-1,230 tokens under the tiny tokenizer; the old limit of
-    1,024 truncated most of them (a perfect policy scored 0 on every exchange task). Every domain's clean
-    demonstrations must fit the tiny limits with room to spare."""
+def test_the_corpus_is_plain_text_and_the_protocol_stays_compact():
+    """No pre-training document holds the agent protocol (PROTOCOL_MARKERS), and every domain's by-the-book episode
+    (the scripted expert's, which the cold start trains on) fits the tiny limits with room to spare under the
+    tokenizer, which has read the protocol's text: a by-the-book e-commerce episode is ~1,000-1,230 tokens; the old
+    limit of 1,024 truncated most of them (a perfect policy scored 0 on every exchange task)."""
     from envs import DOMAINS, make_env
-    from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS
+    from envs.base import PROTOCOL_MARKERS
+    from envs.rollout import MAX_TOKENS, MAX_TURN_TOKENS, expert_episodes
     from pretrain import build_corpus, corpus_tokenizer
-    tok = corpus_tokenizer(*build_corpus(60, 0.0, 0), 1024)
+    docs = build_corpus(60, 0)
+    assert {d for d, _ in docs} == set(DOMAINS)
+    assert not [t for _, t in docs if any(m in t for m in PROTOCOL_MARKERS)]
+    tok = corpus_tokenizer(docs, 1024)
+    assert len(tok("\\boxed{")["input_ids"]) <= 2 and len(tok('{"name": "search", "arguments": {"query": "')["input_ids"]) <= 8
     for d in DOMAINS:
-        for x in make_env(d).demos(60, seed=3, noise=0.0):
-            n = len(tok.apply_chat_template(x["messages"], tools=x.get("tools"), tokenize=True, return_dict=True)["input_ids"])
-            assert n <= 0.9 * MAX_TOKENS, (d, n)
-            for m in x["messages"]:
+        env = make_env(d)
+        for e in expert_episodes(tok, env, env.tasks("train", n=60, seed=3)):
+            assert e.reward == 1.0 and len(e.token_ids) <= 0.9 * MAX_TOKENS, (d, len(e.token_ids))
+            for m in e.messages:
                 if m["role"] == "assistant":
                     assert len(tok(m["content"])["input_ids"]) < MAX_TURN_TOKENS, (d, m["content"])
 
@@ -245,19 +251,19 @@ def test_the_committed_reference_base_is_current():
     meta = read_meta(os.path.join(ROOT, "assets", "tiny-base"))
     assert meta.get("method") == "base" and meta.get("fingerprint"), "assets/tiny-base is missing or has no fingerprint"
     cfg = meta["config"]
-    chats, generic = build_corpus(cfg["n_demos"], cfg["noise"], meta["seed"], cfg["domains"] or None)
-    assert build_fingerprint(chats, generic, dict(cfg, seed=meta["seed"])) == meta["fingerprint"], \
+    docs = build_corpus(cfg["n_docs"], meta["seed"], cfg["domains"] or None)
+    assert build_fingerprint(docs, dict(cfg, seed=meta["seed"])) == meta["fingerprint"], \
         "assets/tiny-base is stale: python pretrain.py --out assets/tiny-base --overwrite"
 
 
 def test_the_fingerprint_sees_the_corpus_the_settings_and_the_code(monkeypatch):
     import pretrain as tiny
-    chats, generic = tiny.build_corpus(5, 0.5, 0, ["math"])
+    docs = tiny.build_corpus(5, 0, ["math"])
     cfg = dict(steps=3000, seed=0)
-    ref = tiny.build_fingerprint(chats, generic, cfg)
-    assert tiny.build_fingerprint(chats, generic, cfg) == ref
-    assert tiny.build_fingerprint(chats, generic, dict(cfg, steps=2999)) != ref
-    other = [(g, json.loads(json.dumps(x).replace("boxed", "boxd"))) for g, x in chats]
-    assert tiny.build_fingerprint(other, generic, cfg) != ref
+    ref = tiny.build_fingerprint(docs, cfg)
+    assert tiny.build_fingerprint(docs, cfg) == ref
+    assert tiny.build_fingerprint(docs, dict(cfg, steps=2999)) != ref
+    other = [(g, x.replace("2", "3")) for g, x in docs]
+    assert tiny.build_fingerprint(other, cfg) != ref
     monkeypatch.setattr(tiny, "DRILL_DONE", 0.4)
-    assert tiny.build_fingerprint(chats, generic, cfg) != ref
+    assert tiny.build_fingerprint(docs, cfg) != ref
