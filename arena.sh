@@ -120,8 +120,8 @@ lanes() {
 SEEDS=${SEEDS:-1}   # training seeds: the whole study once per seed (seed 0 in $RUNS, seed s in $RUNS-seed<s>, step 9)
 SEED=${SEED:-0}     # this study's training seed, passed to every training script (step 9 sets it for $RUNS-seed<s>)
 # 1. the base: the committed reference base (assets/tiny-base: BPE tokenizer + ~1M-parameter Qwen3, an induction
-#    drill, then pre-training on the worlds' text and noisy demos), the tiny counterpart of downloading
-#    Qwen3-8B-Base (seconds). `python pretrain.py --out runs/tiny/base` rebuilds it (~12.5 min; float
+#    drill, then pre-training on each domain's knowledge in plain text, never the agent protocol), the tiny
+#    counterpart of downloading Qwen3-8B-Base (seconds). `python pretrain.py --out runs/tiny/base` rebuilds it (~30 min; float
 #    differences between machines give a different base: see the README's base section)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || { mkdir -p "$RUNS" && cp -r assets/tiny-base "$RUNS/base"; }
 # the training scripts find the stages and the oracles under $RUNS (their default: runs/<preset>), the tiny ones the base

@@ -277,7 +277,7 @@ def build_fingerprint(docs, config: dict) -> str:
     return h.hexdigest()
 
 
-def build_base(out: str, steps: int = 3000, seed: int = 0, size: str = "tiny", n_docs: int = 10000,
+def build_base(out: str, steps: int = 12000, seed: int = 0, size: str = "tiny", n_docs: int = 10000,
                vocab_size: int = 1024, batch_tokens: int = 2048, lr: float = 3e-3,
                max_len: int = 2048, domains=None, threads: int | None = None,
                mix: dict | None = None, copy_docs: int = 0, drill_steps: int = 3000, drill_lr: float = 1e-2):
@@ -349,7 +349,7 @@ def main():
     p.add_argument("--out", default="runs/tiny/base", help="checkpoint directory to write (a new one, or a base "
                                                           "this project built, with --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it holds a base built here")
-    p.add_argument("--steps", type=int, default=3000, help="pre-training steps")
+    p.add_argument("--steps", type=int, default=12000, help="pre-training steps")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the init")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size")
     p.add_argument("--n-docs", type=int, default=10000, help="knowledge documents per domain (Env.knowledge)")

@@ -175,8 +175,8 @@ def test_build_prints_progress_with_eta(drill_build):
     assert [l.split(":")[0] for l in lines if l.startswith("corpus ")] == [f"corpus {i}/4" for i in range(1, 5)]
     assert any(re.fullmatch(r"tokenizer: 400 tokens \| \d+s elapsed", l) for l in lines), lines
     encode = [l for l in lines if l.startswith("encode ")]
-    assert encode and all(re.fullmatch(r"encode \d+/100 documents \| \d+s elapsed, ETA \d+s", l) for l in encode)
-    assert encode[-1].startswith("encode 100/100 ")       # 4 x 20 conversations + 4 x 5 generic documents
+    assert encode and all(re.fullmatch(r"encode \d+/80 documents \| \d+s elapsed, ETA \d+s", l) for l in encode)
+    assert encode[-1].startswith("encode 80/80 ")         # 4 domains x 20 knowledge documents
     for name, eta in (("drill", "<="), ("pre-train", "")):
         steps = [re.fullmatch(rf"{name} step +(\d+)/10 \| loss \d+\.\d{{4}} \| lr \S+ \| \d+s elapsed, ETA {eta}\d+s", l)
                  for l in lines if l.startswith(f"{name} step")]
@@ -230,7 +230,7 @@ def test_the_corpus_is_plain_text_and_the_protocol_stays_compact():
     assert {d for d, _ in docs} == set(DOMAINS)
     assert not [t for _, t in docs if any(m in t for m in PROTOCOL_MARKERS)]
     tok = corpus_tokenizer(docs, 1024)
-    assert len(tok("\\boxed{")["input_ids"]) <= 2 and len(tok('{"name": "search", "arguments": {"query": "')["input_ids"]) <= 8
+    assert len(tok("\\boxed{")["input_ids"]) <= 3 and len(tok('{"name": "search", "arguments": {"query": "')["input_ids"]) <= 8
     for d in DOMAINS:
         env = make_env(d)
         for e in expert_episodes(tok, env, env.tasks("train", n=60, seed=3)):
