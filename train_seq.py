@@ -98,8 +98,8 @@ def grpo_loss(logp, b, x, a):
 PRESETS = {
     "tiny": dict(init="runs/tiny/base", steps="math=40,search=10,ecommerce=6,if=16",
                  prompts="math=16,search=16,ecommerce=4,if=16", group=8, lr="2e-4", kl_coef="0", loss="grpo",
-                 minibatches=1, cold_start="expert", rft_prompts="math=256,search=256,ecommerce=96,if=256", rft_samples=4, rft_epochs=2, rft_lr=1e-3,
-                 eval_n=30, max_gen_rounds=2, math_data=None),
+                 minibatches=1, cold_start="expert", rft_prompts="math=1024,search=2048,ecommerce=1024,if=1024",
+                 rft_samples=4, rft_epochs=3, rft_lr=1e-3, eval_n=30, max_gen_rounds=2, math_data=None),
     "qwen3-8b": dict(init="Qwen/Qwen3-8B-Base", steps="math=200,search=200,ecommerce=200,if=200", prompts=128,
                      group="math=16,search=8,ecommerce=8,if=8", lr="1e-6",
                      # the authors' math responses run to 16k tokens; the agentic and IF turns to 2k as before

@@ -75,9 +75,11 @@ class TurnByTurn(Watched):
     stream = None        # rollout() then calls generate() once per turn, on the kept caches
 
 
-def tiny_base(device="cpu"):
+def tiny_policy(path, device="cpu"):
+    """(model, tokenizer) of a tiny checkpoint, for inference: the tiny_agent fixture's (conftest.py), which
+    speaks the protocol, so e-commerce episodes run to several turns and turns end before their limit."""
     from acl.common import load_policy
-    model, tok = load_policy(os.path.join(ROOT, "assets", "tiny-base"), device)
+    model, tok = load_policy(path, device)
     return model.eval(), tok
 
 
@@ -124,17 +126,20 @@ def check_kept_equals_re_prefill(model, tok, shared_attention=True):
 
 def check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=True):
     """Sampled rollouts on every domain, with continuous batching (3 rows a batch) and turn by turn: each sampled
-    token's log-prob equals the model's teacher-forced one within float tolerance. The episodes end 200 tokens after
-    the longest prompt, so each row's budget (max_tokens - its length) is below max_turn_tokens and differs by row."""
+    token's log-prob equals the model's teacher-forced one within float tolerance. The episodes end max_turn_tokens - 16
+    tokens after the shortest prompt, so each row's budget (max_tokens - its length) is below max_turn_tokens and
+    differs by row."""
     from envs import DOMAINS
     from envs.rollout import MAX_TURN_TOKENS
     chat, budgets, worst = ChatML(tok), [], 0.0
     for d in DOMAINS:
         items = items_of(d)
-        longest = max(len(chat.prompt(env.reset(t).messages, t.tools)) for env, t in items)
+        lengths = [len(chat.prompt(env.reset(t).messages, t.tools)) for env, t in items]
+        end = min(lengths) + MAX_TURN_TOKENS - 16
+        assert max(lengths) < end - 32, (d, lengths)     # every row has room for a turn
         streamed = Watched(model, tok, max_batch=3, shared_attention=shared_attention)
         for b in (streamed, TurnByTurn(model, tok, shared_attention=shared_attention)):
-            for e in rollout(b, tok, items, 2, seed=1, max_tokens=longest + 200):
+            for e in rollout(b, tok, items, 2, seed=1, max_tokens=end):
                 ids = torch.tensor([e.token_ids], device=model.device)
                 with torch.no_grad():
                     logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
@@ -152,27 +157,27 @@ def check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=True)
 
 
 @pytest.mark.parametrize("shared_attention", [True, False], ids=["shared-prefix", "stock-sdpa"])
-def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed(shared_attention):
-    """check_kept_equals_re_prefill on the tiny base, with the project's shared-prefix attention and with the model's
+def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed(shared_attention, tiny_agent):
+    """check_kept_equals_re_prefill on the tiny agent, with the project's shared-prefix attention and with the model's
     stock sdpa (the attention a GPU run takes: kept caches, padding inside a row and stacked parts)."""
-    model, tok = tiny_base()
+    model, tok = tiny_policy(tiny_agent)
     assert model.config._attn_implementation == "sdpa"
     check_kept_equals_re_prefill(model, tok, shared_attention)
 
 
 @pytest.mark.parametrize("shared_attention", [True, False], ids=["shared-prefix", "stock-sdpa"])
-def test_sampled_logprobs_are_the_teacher_forced_ones_on_every_domain(shared_attention):
-    """check_sampled_logprobs_are_teacher_forced on the tiny base, both attentions (measured: 3e-5 at most)."""
-    model, tok = tiny_base()
+def test_sampled_logprobs_are_the_teacher_forced_ones_on_every_domain(shared_attention, tiny_agent):
+    """check_sampled_logprobs_are_teacher_forced on the tiny agent, both attentions (measured: 3e-5 at most)."""
+    model, tok = tiny_policy(tiny_agent)
     assert check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention) < 1e-4
 
 
-def test_kept_caches_stay_within_a_byte_cap_and_give_the_same_episodes():
+def test_kept_caches_stay_within_a_byte_cap_and_give_the_same_episodes(tiny_agent):
     """kv_cap bounds the bytes of kept caches held at once (the previous call's not yet used included): beyond it a
     row is not kept and its next turn is prefilled whole. With a cap of none and of a third of what the multi-turn
     domains keep uncapped, turn by turn and streamed, the episodes are the re-prefill path's (token ids, masks,
     rewards) and the uncapped run's; the cap is never exceeded and, when it allows, some caches are still kept."""
-    model, tok = tiny_base()
+    model, tok = tiny_policy(tiny_agent)
     assert HFBackend(model, tok).cap > 2 ** 20       # the default: a share of the RAM, far above the tiny arena's
     for d in ("search", "ecommerce"):
         items = items_of(d)
@@ -221,7 +226,7 @@ def test_shared_prefix_attention_is_attention_over_prefix_and_own_tokens():
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_a_stream_admit_frees_the_caches_it_stacked():
+def test_a_stream_admit_frees_the_caches_it_stacked(tiny_agent):
     """After an admit, the stacked batch's cache is the only one: the previous batch's and the parts' caches (fresh
     prefills, kept caches of the rows that joined) are freed while it decodes, not held until the next admit (they
     held about the batch's cache once more through every decode step)."""
@@ -239,7 +244,7 @@ def test_a_stream_admit_frees_the_caches_it_stacked():
                 self.alive.append(sum(r() is not None for r in self.refs))
                 return turn_done(ended)
             return super().stream(prompts, budgets, temperature, stop_ids, checked)
-    model, tok = tiny_base()
+    model, tok = tiny_policy(tiny_agent)
     b = Freed(model, tok, max_batch=3)
     rollout(b, tok, items_of("ecommerce"), 2, temperature=0.0, seed=0)
     assert len(b.alive) > 3 and not any(b.alive), b.alive

@@ -61,12 +61,12 @@ def test_bf16_logprobs_are_the_fp32_reference_within_bf16_rounding(micro):
     assert (got - ref).abs().max() < 0.1 and (got - ref).abs().mean() < 0.02, (got - ref).abs().max()
 
 
-def test_kept_cache_decoding_equals_re_prefill_on_the_device():
+def test_kept_cache_decoding_equals_re_prefill_on_the_device(tiny_agent):
     """The hf backend's kept caches and continuous batching on the device's stock attention (sdpa: kept caches,
     padding inside a row, stacked parts), against full re-prefill and teacher forcing, as tests/test_engine.py
     checks them on the CPU with stock sdpa (shared_attention False)."""
-    from test_engine import check_kept_equals_re_prefill, check_sampled_logprobs_are_teacher_forced, tiny_base
-    model, tok = tiny_base(torch.device(DEVICE))
+    from test_engine import check_kept_equals_re_prefill, check_sampled_logprobs_are_teacher_forced, tiny_policy
+    model, tok = tiny_policy(tiny_agent, torch.device(DEVICE))
     assert model.config._attn_implementation == "sdpa"
     check_kept_equals_re_prefill(model, tok, shared_attention=False)
     worst = check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=False)

@@ -222,13 +222,13 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tree, capsys, monk
     assert snapshot(tree) == before   # the temporary directory went with the failure
 
 
-def test_a_user_model_that_starts_failing_mid_run_stops_the_run_with_the_count(tmp_path):
+def test_a_user_model_that_starts_failing_mid_run_stops_the_run_with_the_count(tmp_path, tiny_agent):
     """The LLM user answers the start-up probe, then fails every request: the first GRPO batch's e-commerce
     episodes all end in a user error, and the run stops with the count instead of training on their zero rewards."""
     import subprocess
 
     from fake_http import JSONServer
-    init = os.path.join(ROOT, "assets", "tiny-base")   # it talks to the user (a micro model's turns hit the limit)
+    init = tiny_agent   # it talks to the user (the base never makes a tool call; a micro model's turns hit the limit)
     calls = []
 
     def respond(path, headers, body):

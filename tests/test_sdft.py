@@ -202,11 +202,12 @@ def run(args):
                           text=True, timeout=600, env=ENV1)
 
 
-def test_collect_filter_write_and_train_end_to_end_through_the_rollout_loop(tmp_path):
-    """The committed tiny base as the if domain's 'oracle' (it follows ~12% of the instructions): real sampling,
-    the funnel, the pool on disk, a student trained on it; a rerun reuses both."""
+def test_collect_filter_write_and_train_end_to_end_through_the_rollout_loop(tmp_path, tiny_agent):
+    """The tiny agent (conftest.py) as the if domain's 'oracle' (it follows ~45% of the instructions) and the
+    committed base as the student: real sampling, the funnel, the pool on disk, a student trained on it; a rerun
+    reuses both."""
     runs = str(tmp_path / "runs")
-    args = ["--runs", runs, "--domains", "if", "--oracles", f"if={TINY}", "--student", TINY, "--prompts", "16",
+    args = ["--runs", runs, "--domains", "if", "--oracles", f"if={tiny_agent}", "--student", TINY, "--prompts", "16",
             "--group", "4", "--steps", "2", "--batch", "4", "--threads", "1"]
     r = run(args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -311,12 +312,12 @@ def test_a_filter_that_empties_a_domain_is_named_and_nothing_is_written(tmp_path
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_collect_and_train_like_one_process(tmp_path):
+def test_torchrun_two_ranks_collect_and_train_like_one_process(tmp_path, tiny_agent):
     """Under torchrun on 2 CPU ranks (gloo): each rank samples half the prompts, the pool is gathered and written once
     in prompt order, and FSDP2 training on it ends where one process training on the same pool ends."""
     from safetensors.torch import load_file
     runs = str(tmp_path / "runs")
-    args = ["--runs", runs, "--domains", "if", "--oracles", f"if={TINY}", "--student", TINY, "--prompts", "8",
+    args = ["--runs", runs, "--domains", "if", "--oracles", f"if={tiny_agent}", "--student", TINY, "--prompts", "8",
             "--group", "4", "--steps", "2", "--batch", "4", "--micro-batch", "2", "--max-turn-tokens", "128"]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         os.path.join(ROOT, "sdft.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,

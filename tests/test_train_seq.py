@@ -361,11 +361,11 @@ def test_divergence_stops_saves_nothing_nonfinite_and_is_not_continued(micro_bas
     assert r.returncode == 2 and "diverged in an earlier run" in r.stderr
 
 
-def test_a_finite_blow_up_stops_and_saves_nothing(tmp_path):
+def test_a_finite_blow_up_stops_and_saves_nothing(tmp_path, tiny_agent):
     """lr 1e6: every weight finite, but up to 1e6 in size (it passed as a finished stage before): the first update
     changes the weights' norm by far more than MAX_WEIGHT_CHANGE, and the run stops in one line, saving nothing."""
-    runs = str(tmp_path / "runs")   # the tiny base: its math groups' rewards differ, so there is a gradient
-    r = run_cli(["--init", os.path.join(ROOT, "assets", "tiny-base"), "--runs", runs, "--curriculum", "math", *FAST,
+    runs = str(tmp_path / "runs")   # the tiny agent: its math groups' rewards differ, so there is a gradient
+    r = run_cli(["--init", tiny_agent, "--runs", runs, "--curriculum", "math", *FAST,
                  "--eval-n", "0", "--steps", "3", "--prompts", "8", "--group", "4", "--lr", "1e6"])
     last = r.stderr.strip().splitlines()[-1]   # (transformers' loading bars above it)
     assert r.returncode != 0 and last.startswith("error: [seq/1-math] GRPO step 1: ") and "a finite blow-up" in last
@@ -613,7 +613,8 @@ def test_per_domain_rates_reach_the_stage_and_its_recipe(tmp_path, micro):
     save_checkpoint(str(tmp_path / "base"), model, tok, {"method": "base"})
     a = train_seq.check_args(train_seq.get_args(["--init", str(tmp_path / "base"), "--runs", str(tmp_path / "r"),
                                                  "--lr", "math=1e-3,search=5e-4,ecommerce=2e-4,if=3e-4",
-                                                 "--kl-coef", "math=0.01,search=0,ecommerce=0.1,if=0"]))
+                                                 "--kl-coef", "math=0.01,search=0,ecommerce=0.1,if=0",
+                                                 "--rft-prompts", "math=0,search=8,ecommerce=8,if=8"]))
     s = train_seq.stage_args(a, "ecommerce")
     assert (s.lr, s.kl_coef) == (2e-4, 0.1)
     r = train_seq.recipe(a, "math")
