@@ -47,7 +47,8 @@ N_EVAL_DEFAULT=test=300,ood=100   # evaluate.py's tasks per split (step 8); the 
 Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
 if [ "$QUICK" = 1 ]; then
     [ "$ARENA" = tiny ] || { echo "QUICK=1 is for the tiny arena" >&2; exit 2; }
-    Q_SEQ="--steps 1 --prompts 4 --group 2 --rft-prompts math=8,search=16,ecommerce=8,if=8 --eval-n 2 --max-gen-rounds 1"
+    Q_SEQ="--steps 1 --prompts 4 --group 2 --rft-prompts math=128,search=256,ecommerce=128,if=128 --rft-epochs 2 --micro-batch 8 --eval-n 2
+           --max-gen-rounds 1"
     Q_MERGE="--search-n 20 --grid-step 1.0"
     Q_SDFT="--prompts 32 --group 4 --steps 2"
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
