@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import make_env
-from envs.base import PROTOCOL_MARKERS, UsageError, parse_tool_calls, tool_call_text
+from envs.base import PROTOCOL_MARKERS, UsageError, tool_call_text
 from envs.ecommerce import (
     KNOWLEDGE_KINDS,
     RESIDUES,

@@ -315,16 +315,17 @@ def test_evaluate_streams_checkpoints_into_one_engine(sharp, micro_dir, tmp_path
     assert a["math/test"][1]["boxed"] == 0 and b["math/test"][1]["boxed"] == 1   # the second one's weights were used
 
 
-def test_sdft_collects_its_pool_through_the_vllm_engine(tmp_path):
-    """sdft.py --backend vllm: the oracle (here the committed tiny base, as the if domain's) samples its pool through
-    the colocated engine, the funnel is counted, and the student trains on the pool read back."""
+def test_sdft_collects_its_pool_through_the_vllm_engine(tmp_path, tiny_agent):
+    """sdft.py --backend vllm: the oracle (here the tiny agent of conftest.py, as the if domain's) samples its pool
+    through the colocated engine, the funnel is counted, and the student (the committed base) trains on the pool
+    read back."""
     import json
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny = os.path.join(root, "assets", "tiny-base")
     runs = str(tmp_path / "runs")
-    r = subprocess.run([sys.executable, "sdft.py", "--runs", runs, "--domains", "if", "--oracles", f"if={tiny}",
+    r = subprocess.run([sys.executable, "sdft.py", "--runs", runs, "--domains", "if", "--oracles", f"if={tiny_agent}",
                         "--student", tiny, "--prompts", "8", "--group", "4", "--steps", "1", "--batch", "4",
                         "--backend", "vllm"], cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
