@@ -47,8 +47,9 @@ N_EVAL_DEFAULT=test=300,ood=100   # evaluate.py's tasks per split (step 8); the 
 Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
 if [ "$QUICK" = 1 ]; then
     [ "$ARENA" = tiny ] || { echo "QUICK=1 is for the tiny arena" >&2; exit 2; }
-    Q_SEQ="--steps 1 --prompts 4 --group 2 --rft-prompts math=128,search=256,ecommerce=128,if=128 --rft-epochs 2 --micro-batch 8 --eval-n 2
-           --max-gen-rounds 1"
+    # the cold starts large enough that every oracle speaks the protocol (SDFT's filters need a success per domain)
+    Q_SEQ="--steps 1 --prompts 4 --group 2 --rft-prompts math=128,search=256,ecommerce=128,if=128 --rft-epochs 2
+           --micro-batch 8 --eval-n 2 --max-gen-rounds 1"
     Q_MERGE="--search-n 20 --grid-step 1.0"
     Q_SDFT="--prompts 32 --group 4 --steps 2"
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
@@ -122,7 +123,7 @@ SEEDS=${SEEDS:-1}   # training seeds: the whole study once per seed (seed 0 in $
 SEED=${SEED:-0}     # this study's training seed, passed to every training script (step 9 sets it for $RUNS-seed<s>)
 # 1. the base: the committed reference base (assets/tiny-base: BPE tokenizer + ~1M-parameter Qwen3, an induction
 #    drill, then pre-training on each domain's knowledge in plain text, never the agent protocol), the tiny
-#    counterpart of downloading Qwen3-8B-Base (seconds). `python pretrain.py --out runs/tiny/base` rebuilds it (~30 min; float
+#    counterpart of downloading Qwen3-8B-Base (seconds). `python pretrain.py --out runs/tiny/base` rebuilds it (~28 min; float
 #    differences between machines give a different base: see the README's base section)
 [ "$ARENA" != tiny ] || [ -f "$RUNS/base/acl_meta.json" ] || { mkdir -p "$RUNS" && cp -r assets/tiny-base "$RUNS/base"; }
 # the training scripts find the stages and the oracles under $RUNS (their default: runs/<preset>), the tiny ones the base
