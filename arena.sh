@@ -42,7 +42,12 @@ fi
 EVAL_LANE_A=${EVAL_LANE_A:-} EVAL_LANE_B=${EVAL_LANE_B:-}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
-N_EVAL_DEFAULT=test=300,ood=100   # evaluate.py's tasks per split (step 8); the full suite takes each benchmark whole
+# evaluate.py's tasks per split (step 8); the full suite takes each benchmark whole. 800 `test` tasks so that a paired
+# difference has an SE <= 0.02: a task's score varies more between tasks than between samples (avg@8 at 300 tasks still
+# leaves 0.022 on e-commerce), so more tasks buy precision at a third of avg@k's cost; 300 `ood` tasks to judge the
+# oracles' >= 0.10 there. The gold log-likelihood stays on each split's first 300 (evaluate.py --gold-n)
+N_EVAL_DEFAULT=test=800,ood=300
+N_MIXED=test=300,ood=100          # the mixed-domain tasks (step 8's last table)
 # each script's reduction under QUICK=1 (empty otherwise)
 Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
 if [ "$QUICK" = 1 ]; then
@@ -55,7 +60,7 @@ if [ "$QUICK" = 1 ]; then
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
     Q_MLE="--steps 1 --prompts 2 --group 2 --router-prompts 16 --router-steps 20"
     Q_ANALYZE="--n 8 --kl-n 4"
-    N_EVAL_DEFAULT=test=10,ood=5
+    N_EVAL_DEFAULT=test=10,ood=5 N_MIXED=test=10,ood=5
 fi
 N_EVAL=${N_EVAL:-$N_EVAL_DEFAULT}
 [ "$ARENA" = tiny ] || N_EVAL=""
@@ -79,8 +84,8 @@ LANES=${LANES:-2}
 PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps running in lanes
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
-STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned analyze
-       evaluate-runs evaluate-consolidators evaluate-mixed)
+STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned evaluate-runs
+       analyze evaluate-consolidators evaluate-mixed)
 for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
 t() {
     local name=$1 s rc=0 i n=0 pid last="" line k=0; shift; s=$(date +%s)
@@ -129,7 +134,7 @@ SEED=${SEED:-0}     # this study's training seed, passed to every training scrip
 # the training scripts find the stages and the oracles under $RUNS (their default: runs/<preset>), the tiny ones the base
 Q_SEQ="--runs $RUNS --seed $SEED $Q_SEQ" Q_SDFT="--runs $RUNS --seed $SEED $Q_SDFT"
 Q_MMOPD="--runs $RUNS --seed $SEED $Q_MMOPD" Q_MLE="--runs $RUNS --seed $SEED $Q_MLE"
-# (tiny: no 30-task evaluation after each stage, --eval-n 0: step 8 evaluates every stage and oracle on 300 tasks)
+# (tiny: no 30-task evaluation after each stage, --eval-n 0: step 8 evaluates every stage and oracle on 800 tasks)
 if [ "$ARENA" = tiny ]; then Q_SEQ="--init $RUNS/base --eval-n 0 $Q_SEQ" Q_SDFT="--student $RUNS/base $Q_SDFT"
 else Q_SEQ="--init $BASE $Q_SEQ" Q_SDFT="--student $BASE $Q_SDFT"; fi
 # 2. the sequential run math -> search -> ecommerce -> if (~6 min), and
@@ -137,7 +142,8 @@ else Q_SEQ="--init $BASE $Q_SEQ" Q_SDFT="--student $BASE $Q_SDFT"; fi
 seq_run() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS; }
 oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $Q_SEQ $TRAIN_ARGS; }
 lanes seq_run oracles
-# steps 4-6 run in two lanes: analyze-seq, SDFT, MLE and MLE's learned-router evaluation; the merges and MMOPD
+# steps 4-6 run in two lanes: analyze-seq, SDFT, MLE and MLE's learned-router evaluation; the merges, MMOPD and the
+# evaluation of the base, the stages and the oracles (step 8's first half, which needs no consolidator)
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
 analyze_seq() {
@@ -152,6 +158,14 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 # best worst-domain val score relative to the oracles on the same candidates (their val scores reused: ~20 s); then
 # 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
 #    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~6 min)
+# 8a. (in the second lane, after MMOPD) the base, every stage and oracle evaluated: N_EVAL tasks per split, the
+#    accuracy matrix (forgetting, BWT, FWT, its heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so
+#    its scores are reused) (~10 min)
+eval_runs() {
+    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_LANE_A --out-dir "$RUNS/eval" \
+        --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
+    cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
+}
 merges_mmopd() {
     t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" \
         --search uniform --out "$RUNS/merge/uniform" $Q_MERGE
@@ -161,13 +175,14 @@ merges_mmopd() {
         --models "${STAGES[@]}" --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} \
         --scores-from "$RUNS/merge/grid" --out "$RUNS/merge/balanced" $Q_MERGE
     t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS
+    eval_runs
 }
 # 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
 #    their balanced union, from the base -> runs/tiny/sdft (~1 min); then
 # 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
 #    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)
-#    and MLE routed by its learned router evaluated as step 8 does (eval/mle-learned.json, ~2.5 min)
+#    and MLE routed by its learned router evaluated as 8a does (eval/mle-learned.json, ~2.5 min)
 sdft_mle() {
     analyze_seq
     t sdft $RUN sdft.py --preset "$ARENA" $Q_SDFT $TRAIN_ARGS
@@ -176,30 +191,23 @@ sdft_mle() {
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
 }
 lanes sdft_mle merges_mmopd
-# 7. the analysis again with the consolidators, and the forgetting law: every move's KL(before || after) per agent
-#    token on each domain's test prompts (--kl-n 50 each; a stage's cold start and RL apart) -> runs/tiny/analysis/ (~? min)
-t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE
-# 8. evaluation (N_EVAL: 300 tasks per `test` split and 100 per `ood` split; the ood scores sit at the floor, <= 0.02:
-#    100 tasks bound them as well), in two lanes: the base, every stage and oracle, with the accuracy matrix
-#    (forgetting, BWT, FWT, its heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so its scores are
-#    reused); and every merge, SDFT, MMOPD and MLE (tag routing), then the consolidators on the mixed-domain tasks that
-#    need search and arithmetic in one episode and carry no tag (runs/tiny/eval-mixed/) (~11 min)
-eval_runs() {
-    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_LANE_A --out-dir "$RUNS/eval" \
-        --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
-    cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
-}
+# 7. (beside 8b) the analysis again with the consolidators, and the forgetting law: every move's KL(before || after)
+#    per agent token on each domain's test prompts (--kl-n 50 each; a stage's cold start and RL apart)
+#    -> runs/tiny/analysis/ (~6 min)
+analyze_all() { t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE; }
+# 8b. every merge, SDFT, MMOPD and MLE (tag routing) evaluated as in 8a, then the consolidators on the mixed-domain
+#    tasks that need search and arithmetic in one episode and carry no tag (N_MIXED; runs/tiny/eval-mixed/) (~9 min)
 eval_consolidators() {
     t evaluate-consolidators python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS $EVAL_LANE_B --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
-    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_EVAL" \
+    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_MIXED" \
         --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
         "$RUNS/mle" --router learned
 }
-lanes eval_runs eval_consolidators
-# 8b. SDFT_GRID=1 (opt-in, tiny): the study's SDFT ablation axis on this run's pool: mix (balanced, proportional) x
+lanes analyze_all eval_consolidators
+# 8c. SDFT_GRID=1 (opt-in, tiny): the study's SDFT ablation axis on this run's pool: mix (balanced, proportional) x
 #    order (interleaved, staged, graded) from the base, the Seq-Final student, and no near-dedup (--dedup-threshold
-#    1.0: a pool of its own, collected again from the same oracles), each evaluated as step 8 -> runs/tiny/sdft-ablation/
+#    1.0: a pool of its own, collected again from the same oracles), each evaluated as 8a -> runs/tiny/sdft-ablation/
 #    <cell>, eval/sdft-ablation-<cell>.json; the report tables them (~70 s a student and ~100 s its evaluation)
 if [ "${SDFT_GRID:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
     GRID=()

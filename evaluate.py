@@ -100,6 +100,9 @@ SUITES = ("tiny", "full")
 SUITE_DEFAULTS = {"tiny": {"n": 300, "max_tokens": MAX_TOKENS, "max_turn_tokens": MAX_TURN_TOKENS},
                   "full": {"n": None, "max_tokens": 32768, "max_turn_tokens": 16384}}
 TAU_SPLIT = {"tau_retail": "test", "tau_mock": "base", "tau_telecom": "base"}   # tau3's base splits: 10 and 114 tasks
+# the gold log-likelihood's tasks per split (--gold-n): the first 300, whatever --n is (a split's first tasks are the
+# same at any n); deterministic, so more tasks narrow nothing that matters while costing as much as the sampling
+GOLD_N = 300
 DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark samples once per task
 # Sampling temperature per domain. Full: the released evaluation's math 0.6 and tau 0.7; it sets none for search and
 # IF, which are sampled at 1.0 (the rollout temperature their in-training evaluation inherits). Tiny: 1.0 everywhere
@@ -201,7 +204,8 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     per_task: each task's mean reward over seeds and samples, in task_ids' order: two checkpoints evaluated with
         the same tasks and seeds are compared task by task (paired_difference).
     gold: also score the model teacher-forced on the scripted expert's episodes of the same tasks (gold_likelihood;
-        tasks with an expert only, and only with the whole model in this process: an FSDP-sharded policy, which
+        True: every task, an int N: the first N of them (GOLD_N: a split's first tasks are the same whatever n is),
+        0/False: none; tasks with an expert only, and only with the whole model in this process: an FSDP-sharded policy, which
         train_seq's in-run evaluation hands over under --backend vllm on rank 0 alone, would wait for the other
         ranks forever); deterministic, seconds.
     episodes: a dict to collect every scored episode into, {benchmark: [envs.rollout.episode_record, ...]}.
@@ -217,7 +221,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     max_turn_tokens = max_turn_tokens or defaults.get("max_turn_tokens", MAX_TURN_TOKENS)
     backend = backend or HFBackend(model, tok, batch)
     was_training = model.training if model is not None else False
-    gold = gold and model is not None and not any(hasattr(p, "full_tensor") for p in model.parameters())
+    gold = gold if model is not None and not any(hasattr(p, "full_tensor") for p in model.parameters()) else False
     if model is not None:
         model.eval()
     results = {}
@@ -254,8 +258,9 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "task_ids": [t.id for t in items], "per_task": per_task}
                 if gold:
                     ctx = getattr(model.config, "max_position_embeddings", None) or max_tokens   # the expert is never cut
-                    g = routed_gold(backend, tok, env, items, adapters, ctx) if route else \
-                        gold_likelihood(model, tok, env, items, max_tokens=ctx, max_turn_tokens=ctx)
+                    m = len(items) if gold is True else int(gold)
+                    g = routed_gold(backend, tok, env, items[:m], adapters and adapters[:m], ctx) if route else \
+                        gold_likelihood(model, tok, env, items[:m], max_tokens=ctx, max_turn_tokens=ctx)
                     if g:
                         results[name]["gold"] = g
                         print0(f"{label}{name} gold: log-lik {g['loglik']:.3f}/token, top-1 {g['top1']:.3f} "
@@ -583,6 +588,9 @@ def parse_args(argv=None):
                         "--expert-data")
     p.add_argument("--no-gold", dest="gold", action="store_false",
                    help="skip the gold log-likelihood on the scripted expert's episodes (tiny worlds only)")
+    p.add_argument("--gold-n", type=int, default=GOLD_N, metavar="N",
+                   help=f"the gold log-likelihood on the first N tasks of each split (default {GOLD_N}: deterministic, "
+                        "its standard error over 300 tasks is already 0.001-0.08 nat per token; the sampled scores need more tasks); 0: all")
     p.add_argument("--suite", default="tiny", help="tiny (the tiny worlds' test/ood splits) or full (real benchmarks)")
     p.add_argument("--seeds", type=int, default=1,
                    help="sampling seeds (full passes); mean/std are over seeds. 1 = std 0; use 3 for claims")
@@ -652,8 +660,8 @@ def resolve(a) -> dict:
     for flag in ("seeds", "k", "batch", "max_tokens", "max_turn_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
-    if a.threads < 0:
-        raise UsageError("--threads must be >= 0")
+    if a.threads < 0 or a.gold_n < 0:
+        raise UsageError(f"--{'threads' if a.threads < 0 else 'gold-n'} must be >= 0")
     a.temperature = eval_temperatures(a.temperature, a.suite)
     defaults = SUITE_DEFAULTS.get(a.suite, {})
     if (a.max_turn_tokens or defaults["max_turn_tokens"]) > (a.max_tokens or defaults["max_tokens"]):
@@ -762,7 +770,8 @@ def main():
                     benchmarks=list(r["tasks"]), n=a.n or defaults["n"], seeds=a.seeds, k=a.k, temperature=a.temperature,
                     batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
                     max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
-                    env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend, gold=a.gold,
+                    env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend,
+                    gold=(a.gold_n or True) if a.gold else False,
                     dtype="bf16" if a.dtype == "bf16" or (a.dtype == "auto" and torch.cuda.is_available()) else "fp32",
                     data=data_identity(r["sources"], r["env_opts"]))
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
@@ -803,7 +812,7 @@ def evaluate_all(a, r, settings) -> dict:
                                    max_lora_rank=r["max_lora_rank"], bf16=settings["dtype"] == "bf16",
                                    seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
                                    max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
-                                   tasks=r["tasks"], label=f"[{name}] ", gold=a.gold, episodes=episodes,
+                                   tasks=r["tasks"], label=f"[{name}] ", gold=settings["gold"], episodes=episodes,
                                    sleep_after=lm_settings is not None)
             record["settings"] = settings
         if lm_settings is not None and record.get("lm_eval_settings") != lm_settings:

@@ -415,3 +415,21 @@ def test_gold_likelihood_of_an_expert_copier_beats_a_random_model(micro):
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(e.token_ids[1:])[:, None])[:, 0]
     m = torch.tensor(e.loss_mask[1:], dtype=torch.float)
     assert g0["per_task_loglik"][0] == pytest.approx(((lp * m).sum() / m.sum()).item(), abs=1e-4)
+
+
+def test_gold_n_scores_the_first_tasks_of_a_split_and_the_sampled_score_all_of_them(micro):
+    """--gold-n: the gold log-likelihood on a split's first N tasks (the same ones at any --n), every task sampled;
+    True: all of them; the first N's values equal a run on those N alone."""
+    model, tok = micro
+    kw = dict(suite="tiny", domains=["math"], splits=("test",), n=6, max_tokens=200, max_turn_tokens=12)
+    few = evaluate.evaluate_model(model, tok, gold=2, **kw)["math/test"]
+    assert few["n"] == 6 and len(few["per_task"]) == 6
+    assert few["gold"]["n"] == 2 and few["gold"]["task_ids"] == few["task_ids"][:2]
+    every = evaluate.evaluate_model(model, tok, gold=True, **kw)["math/test"]["gold"]
+    assert every["n"] == 6 and every["per_task_loglik"][:2] == few["gold"]["per_task_loglik"]
+    assert "gold" not in evaluate.evaluate_model(model, tok, gold=False, **kw)["math/test"]
+
+
+def test_a_negative_gold_n_is_refused_in_one_line(call):
+    r = call(evaluate.main, ["--ckpt", "x", "--gold-n", "-1"])
+    assert r.returncode == 2 and "--gold-n must be >= 0" in r.stderr

@@ -234,6 +234,11 @@ def test_weight_push_matches_trainer(micro_dir, sharp, engine):
     assert after < 1e-3 and n > 50
 
 
+# the tiny preset's cold start (1,024 expert episodes x 3 epochs per domain) is sized for the arena: at test size
+# it would take most of the 600 s on two CPU ranks; 8 episodes x 1 epoch still runs the RFT -> GRPO hand-off
+SMALL_COLD_START = ["--rft-prompts", "8", "--rft-epochs", "1"]
+
+
 def test_train_seq_with_vllm_backend(micro_dir, tmp_path):
     """generate -> sleep -> train -> wake -> push, for real, in a fresh process: two stages of two GRPO steps,
     the second stage's starting weights pushed into the one engine, and the after-stage evaluation on it."""
@@ -243,7 +248,8 @@ def test_train_seq_with_vllm_backend(micro_dir, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "train_seq.py", "--init", micro_dir, "--runs", runs, "--curriculum", "if,math",
                         "--steps", "2", "--prompts", "2", "--group", "4", "--max-tokens", "256",
-                        "--max-turn-tokens", "48", "--eval-n", "3", "--backend", "vllm", "--lr", "1e-3"],
+                        "--max-turn-tokens", "48", "--eval-n", "3", "--backend", "vllm", "--lr", "1e-3",
+                        *SMALL_COLD_START],
                        cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "vllm backend: {'version'" in r.stdout
@@ -262,7 +268,7 @@ def test_torchrun_two_ranks_with_vllm(micro_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "train_seq.py", "--init", micro_dir, "--runs", runs, "--curriculum", "if", "--steps", "2",
                         "--prompts", "2", "--group", "4", "--max-tokens", "256", "--max-turn-tokens", "48",
-                        "--eval-n", "3", "--backend", "vllm", "--threads", "1"],
+                        "--eval-n", "3", "--backend", "vllm", "--threads", "1", *SMALL_COLD_START],
                        cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "step 2/2" in r.stdout and "'world_size': 2" in r.stdout
