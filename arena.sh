@@ -32,14 +32,11 @@ else
     RUN="torchrun --nproc_per_node=${NPROC:-8} ${TORCHRUN_ARGS:-}"
     SUITE=full
     EVAL_BACKEND=vllm
-    # step 8's two evaluation lanes run side by side on node 0: each takes half of its GPUs, one evaluate.py process
+    # full scale runs one step at a time (LANES=1): each evaluation takes every GPU of node 0, one evaluate.py process
     # per GPU (--devices; the checkpoints dealt round-robin)
-    HALF=$(( ${NPROC:-8} / 2 ))
-    if [ "$HALF" -ge 1 ]; then
-        EVAL_LANE_A="--devices $(seq -s, 0 $((HALF - 1)))" EVAL_LANE_B="--devices $(seq -s, "$HALF" $((2 * HALF - 1)))"
-    fi
+    EVAL_DEVICES="--devices $(seq -s, 0 $(( ${NPROC:-8} - 1 )))"
 fi
-EVAL_LANE_A=${EVAL_LANE_A:-} EVAL_LANE_B=${EVAL_LANE_B:-}
+EVAL_DEVICES=${EVAL_DEVICES:-}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
 # evaluate.py's tasks per split (step 8); the full suite takes each benchmark whole. 800 `test` tasks so that a paired
@@ -74,7 +71,20 @@ if [ "$ARENA" != tiny ] && [ ! -f "$BASE/config.json" ]; then
 fi
 # every step's wall time: `t NAME command...` runs it and appends "NAME seconds" to $TIMES; the table prints at the end
 mkdir -p "$RUNS/logs"
+NODE=${NODE_RANK:-0}
+# several nodes (full scale, NODE_RANK set, runs/ on a filesystem they share): a torchrun step runs on every node, a
+# plain-python one (merge, analyze, evaluate, report) on node 0 alone, which marks it done in runs/<arena>/logs/.done/;
+# another node waits for that mark before its next step (torchrun's rendezvous would time out during node 0's hours
+# of evaluation). Node 0 clears the marks of an earlier invocation before its first step; the other nodes cannot pass
+# that step (a torchrun one, which needs node 0) before it has.
+DONE=$RUNS/logs/.done
+if [ "$NODE" = 0 ]; then
+    mkdir -p "$DONE" && rm -f "$DONE"/*.done "$DONE"/*.failed
+    # full scale: the base evaluated under its name, runs/<arena>/base: a link to BASE when it lives elsewhere
+    [ "$ARENA" = tiny ] || [ -e "$RUNS/base" ] || ln -s "$(cd "$BASE" && pwd)" "$RUNS/base"
+fi
 TIMES=$RUNS/arena_times.txt
+[ "$NODE" = 0 ] || TIMES=$RUNS/logs/arena_times.node$NODE.txt   # node 0's table is the arena's
 START=$(date +%s)
 echo "# arena.sh started $(date '+%Y-%m-%d %H:%M:%S') at $(git rev-parse --short HEAD 2>/dev/null || echo '?') $START" >> "$TIMES"
 # LANES (tiny): independent steps run side by side, each a 1-thread process (this tiny model's ops are too small for
@@ -86,13 +96,22 @@ PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps run
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
 STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned evaluate-runs
        analyze evaluate-consolidators evaluate-mixed)
+if [ "${LAW_ABLATION:-0}" = 1 ]; then
+    for c in self none; do STEPS+=("law-$c" "law-$c-analyze" "law-$c-evaluate"); done
+fi
 for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
 t() {
     local name=$1 s rc=0 i n=0 pid last="" line k=0; shift; s=$(date +%s)
     for i in "${!STEPS[@]}"; do [ "${STEPS[$i]}" = "$name" ] && n=$((i + 1)); done
-    # several nodes (full scale, NODE_RANK set): a torchrun step runs on every node, a plain-python one (merge,
-    # analyze, evaluate, report) on node 0 alone, which reads and writes runs/ on the filesystem both nodes share
-    if [ "${NODE_RANK:-0}" != 0 ] && [ "$1" = python ]; then echo "[$(date +%H:%M:%S)] $name: node 0's step"; return 0; fi
+    # several nodes: a plain-python step is node 0's; the others wait for its mark (above)
+    if [ "$NODE" != 0 ] && [ "$1" = python ]; then
+        echo "[$(date +%H:%M:%S)] $name: node 0's step; node $NODE waits for it"
+        until [ -f "$DONE/$name.done" ]; do
+            [ ! -f "$DONE/$name.failed" ] || { echo "[$(date +%H:%M:%S)] $name failed on node 0: node $NODE stops"; return 1; }
+            sleep "${NODE_POLL:-10}"
+        done
+        return 0
+    fi
     echo "[$(date +%H:%M:%S)] [$n/${#STEPS[@]}] $name: started$([ "$LANES" -gt 1 ] && echo " (log: $RUNS/logs/$name.log)")"
     if [ "$LANES" -gt 1 ]; then
         # the step writes to its log; every PROGRESS seconds its newest progress line (step i/n, checkpoint i/n, with
@@ -110,8 +129,9 @@ t() {
     else
         { "$@" 2>&1 | tee "$RUNS/logs/$name.log"; } || rc=$?
     fi
-    [ $rc = 0 ] || return $rc
+    [ $rc = 0 ] || { [ "$NODE" != 0 ] || [ "$1" != python ] || touch "$DONE/$name.failed"; return $rc; }
     echo "$name $(( $(date +%s) - s ))" >> "$TIMES"
+    [ "$NODE" != 0 ] || [ "$1" != python ] || touch "$DONE/$name.done"
     [ "$LANES" -le 1 ] || echo "[$(date +%H:%M:%S)] $name: done in $(( $(date +%s) - s )) s"
 }
 # `lanes f g ...`: the shell functions f, g, ... (each a chain of steps) at once with LANES > 1, else one after
@@ -162,7 +182,7 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 #    accuracy matrix (forgetting, BWT, FWT, its heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so
 #    its scores are reused) (~10 min)
 eval_runs() {
-    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_LANE_A --out-dir "$RUNS/eval" \
+    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_DEVICES --out-dir "$RUNS/eval" \
         --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
     cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
 }
@@ -199,7 +219,7 @@ analyze_all() { t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANA
 #    tasks that need search and arithmetic in one episode and carry no tag (N_MIXED; runs/tiny/eval-mixed/) (~9 min)
 eval_consolidators() {
     t evaluate-consolidators python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
-        $EVAL_ARGS $EVAL_LANE_B --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
+        $EVAL_ARGS $EVAL_DEVICES --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
     [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_MIXED" \
         --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
         "$RUNS/mle" --router learned
@@ -224,6 +244,23 @@ if [ "${SDFT_GRID:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
     t evaluate-sdft-grid python evaluate.py --resume --suite tiny --backend hf --n "$N_EVAL" --out-dir "$RUNS/eval" \
         --ckpt "${GRID[@]}" "$RUNS/sdft-ablation/seqfinal" "$RUNS/sdft-ablation/nodedup"
 fi
+# 8d. LAW_ABLATION=1 (opt-in, tiny): the forgetting law over the cold start too: the sequential run again from the
+#    same base with self-RFT as its cold start ($RUNS-coldself) and with none ($RUNS-coldnone: GRPO alone), each
+#    stage's KL and scores measured as above; the report adds their stages to the law's table, fit and plot (~10 min
+#    a run: on this base, whose samples never hold the protocol, self-RFT and GRPO alone find little to learn)
+LAW_RUNS=()
+if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
+    for c in self none; do
+        R=$RUNS-cold$c
+        if [ $c = self ]; then COLD="--cold-start self"; else COLD="--rft-prompts 0"; fi
+        t "law-$c" python train_seq.py --preset tiny $Q_SEQ --runs "$R" $COLD
+        t "law-$c-analyze" python analyze.py --runs "$R" --base "$BASE" --ckpts "$R"/seq/[0-9]-*/ --no-tokens \
+            --out "$R/analysis" $Q_ANALYZE
+        t "law-$c-evaluate" python evaluate.py --resume --suite tiny --backend hf --n "$N_EVAL" --out-dir "$R/eval" \
+            --ckpt "$R"/seq/[0-9]-{math,search,ecommerce,if}
+        LAW_RUNS+=("$R")
+    done
+fi
 # 9. SEEDS > 1: the whole study (steps 2-8) again with training seeds 1 .. SEEDS-1 from the same base, each in
 #    $RUNS-seed<s> with its own report; each is one step here (~23 min a seed, tiny), and the report below gives
 #    every number as mean ± std over the seeds
@@ -235,15 +272,16 @@ for s in $(seq 1 $((SEEDS - 1))); do
         CHILD_BASE=$R/base
         [ -f "$R/base/acl_meta.json" ] || { mkdir -p "$R" && cp -r "$RUNS/base" "$R/base"; }
     fi
-    t "seed-$s" env SEEDS=1 SEED="$s" RUNS="$R" BASE="$CHILD_BASE" bash ./arena.sh
+    t "seed-$s" env SEEDS=1 SEED="$s" RUNS="$R" BASE="$CHILD_BASE" LAW_ABLATION=0 bash ./arena.sh
     SEED_RUNS+=("$R")
 done
 # the time table of this run (the steps after the last "started" line; with lanes, steps overlap, so the total is the
-# wall time from the start, beside the sum of the steps)
+# wall time from the start, beside the sum of the steps); then the report: node 0's alone
+[ "$NODE" = 0 ] || { echo "[$(date +%H:%M:%S)] node $NODE: done (node 0 writes the time table and the report)"; exit 0; }
 awk -v now="$(date +%s)" '/^# arena.sh started/ {n = 0; delete rows; head = $0; start = $NF; next} {rows[++n] = $0}
     END {print head; for (i = 1; i <= n; i++) {split(rows[i], f, " "); printf "%-24s %6d s\n", f[1], f[2]; sum += f[2]}
     printf "%-24s %6d s (%.1f min)\n", "sum of the steps", sum, sum / 60
     printf "%-24s %6d s (%.1f min)\n", "total (wall)", now - start, (now - start) / 60}' "$TIMES" | tee "$RUNS/arena_times.md"
 # 10. the report: the study's table, the normalised table, the accuracy matrices, the plots, the ten findings
 #    checked, and the time table above -> runs/tiny/report.md (seconds)
-python report.py --runs "$RUNS" ${SEED_RUNS[@]+--seed-runs "${SEED_RUNS[@]}"}
+python report.py --runs "$RUNS" ${SEED_RUNS[@]+--seed-runs "${SEED_RUNS[@]}"} ${LAW_RUNS[@]+--law-runs "${LAW_RUNS[@]}"}

@@ -693,12 +693,14 @@ SDFT_GRID = [("balanced-interleaved", "balanced", "interleaved", "base"), ("bala
 
 def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: str | None = None) -> list:
     """Beyond the study (RL's Razor: forgetting follows KL(pi_before || pi_after) on the new task's distribution).
-    One point per sequential stage k >= 2 and earlier domain d, per seed: x = the stage's KL per agent token on its
-    own domain (analyze.py --kl-n: its cold start and its RL apart where it has one), y = d's drop over the stage
-    (parent - stage on `test`). The least-squares line y = a + b x with b's standard error, Pearson's r and the points'
-    count; the same with x = the KL on d itself. -> report lines (and the scatter at plot_path)."""
+    One point per sequential stage k >= 2 and earlier domain d, per run (the training seeds, and the cold-start
+    ablation's runs, --law-runs): x = the stage's KL per agent token on its own domain (analyze.py --kl-n: its cold
+    start and its RL apart where it has one), y = d's drop over the stage (parent - stage on `test`). The
+    least-squares line y = a + b x with b's standard error, Pearson's r and the points' count; the same with x = the
+    KL on d itself. -> report lines (and the scatter at plot_path, a marker per run)."""
     pts, rows = [], []
     for run, recs, an in zip(runs, recs_by_seed, analyses):
+        label = os.path.basename(os.path.abspath(run))
         kl = {(m["before"], m["after"], m["domain"]): m for m in (an or {}).get("kl_moves", [])}
         for k, d_new in enumerate(DOMAINS[1:], 2):
             after, before = f"seq-{k}-{d_new}", f"seq-{k - 1}-{DOMAINS[k - 2]}"
@@ -710,10 +712,10 @@ def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: st
                 drop = scores.diff("a", "b", f"{d}/test")          # parent - stage, paired over the tasks
                 if drop[0] is None or (before, after, d) not in kl:
                     continue
-                pts.append((own["kl"], kl[before, after, d]["kl"], drop[0]))
+                pts.append((own["kl"], kl[before, after, d]["kl"], drop[0], label))
                 drops.append((d, drop))
             rft, rl = kl.get((before, after + "-rft", d_new)), kl.get((after + "-rft", after, d_new))
-            rows.append(f"| {os.path.basename(os.path.abspath(run))} | {after} | {fmt(own['kl'], own['se'], 4)} | "
+            rows.append(f"| {label} | {after} | {fmt(own['kl'], own['se'], 4)} | "
                         f"{fmt(rft['kl'], nd=4) if rft else '–'} | {fmt(rl['kl'], nd=4) if rl else '–'} | " +
                         ", ".join(f"{d} {fmt(x, se)}" for d, (x, se) in drops) + " |")
     if not pts:
@@ -742,7 +744,10 @@ def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: st
     if plot_path:
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(4.5, 3.4))
-        ax.scatter([p[0] for p in pts], [p[2] for p in pts], s=18)
+        for i, label in enumerate(dict.fromkeys(p[3] for p in pts)):   # a marker per run, in the table's order
+            mine = [p for p in pts if p[3] == label]
+            ax.scatter([p[0] for p in mine], [p[2] for p in mine], s=18, marker="osd^v<>"[i % 7], label=label)
+        ax.legend(fontsize=6)
         f = fits["its own domain (the law's predictor)"]
         if f:
             xs = np.linspace(0, max(p[0] for p in pts), 20)
@@ -805,10 +810,11 @@ def run_seeds(run: str) -> list:
     return sorted({m.get("seed") for m in metas if m} - {None})
 
 
-def report(runs: str, out: str, seed_runs=()) -> str:
+def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
     """Write the report of the run in `runs` to `out` (markdown; plots linked relative to it); with `seed_runs` (the
     same study with other training seeds, arena.sh SEEDS > 1) every table gives mean ± std over the seeds and each
-    finding is checked in every seed. -> out."""
+    finding is checked in every seed; `law_runs` (sequential runs with another cold start, arena.sh LAW_ABLATION=1)
+    add their stages to the forgetting law, and nothing else. -> out."""
 
     if os.path.lexists(out) and (not os.path.isfile(out) or not open(out, errors="replace").readline().startswith(
             "# ACLArena report")):
@@ -820,7 +826,12 @@ def report(runs: str, out: str, seed_runs=()) -> str:
         if not recs_by_seed[-1]:
             raise UsageError(f"no evaluation records in {os.path.join(r, 'eval')}: run evaluate.py (arena.sh step 8) "
                              "first")
-    made_by = same_making(all_runs, recs_by_seed)
+    law_recs = [load_records(os.path.join(r, "eval")) for r in law_runs]
+    for r, rs in zip(law_runs, law_recs):
+        if not rs:
+            raise UsageError(f"--law-runs {r}: no evaluation records in {os.path.join(r, 'eval')} (arena.sh "
+                             "LAW_ABLATION=1 evaluates its stages)")
+    made_by = same_making([*all_runs, *law_runs], [*recs_by_seed, *law_recs])
     recs, eval_dir = recs_by_seed[0], os.path.join(runs, "eval")
     tasks = [sorted({b["n"] for x in rs.values() for k, b in x["benchmarks"].items() if k.endswith("/test")})
              for rs in recs_by_seed]
@@ -836,6 +847,7 @@ def report(runs: str, out: str, seed_runs=()) -> str:
     lines = [f"# ACLArena report: {os.path.basename(os.path.abspath(runs))}", "",
              f"Generated by `python report.py --runs {runs}" + (f" --seed-runs {' '.join(seed_runs)}" if seed_runs
                                                                  else "") +
+             (f" --law-runs {' '.join(law_runs)}" if law_runs else "") +
              f"` on {time.strftime('%Y-%m-%d %H:%M')}, commit "
              f"{code_revision()}, {platform.machine()} {platform.system()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}. Training seed(s) {'; '.join(seeds)}; "
@@ -859,7 +871,8 @@ def report(runs: str, out: str, seed_runs=()) -> str:
         path = os.path.join(run, "analysis", "analysis.json")
         return json.load(open(path)) if os.path.isfile(path) else None
     law_png = os.path.join(runs, "analysis", "forgetting_kl.png")   # (the first seed's directory; every seed's points)
-    law = forgetting_law(all_runs, recs_by_seed, [analysis_of(r) for r in all_runs], law_png)
+    law = forgetting_law([*all_runs, *law_runs], [*recs_by_seed, *law_recs],
+                         [analysis_of(r) for r in [*all_runs, *law_runs]], law_png)
     plots = [("accuracy after each stage", os.path.join(eval_dir, "seq_matrix.png")),
              ("gold log-likelihood after each stage", os.path.join(eval_dir, "seq_matrix_gold.png")),
              ("PCA of the weight displacements", os.path.join(runs, "analysis", "pca.png")),
@@ -941,6 +954,9 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="where report.md goes (default <runs>/report.md)")
     p.add_argument("--seed-runs", nargs="+", default=[], metavar="RUNS", help="the same study with other training "
                    "seeds (arena.sh SEEDS > 1: runs/tiny-seed1 ...): every table as mean ± std over the seeds")
+    p.add_argument("--law-runs", nargs="+", default=[], metavar="RUNS", help="sequential runs from the same base with "
+                   "another cold start (arena.sh LAW_ABLATION=1: runs/tiny-coldself, runs/tiny-coldnone), each with "
+                   "its stages evaluated and analysed: more points for the forgetting law, nothing else")
     p.add_argument("--balance", action="store_true", help="print finding 6's table alone (from --eval-dir)")
     p.add_argument("--eval-dir", default=None, help="with --balance: where evaluate.py saved the records "
                                                     "(default <runs>/eval)")
@@ -965,10 +981,10 @@ def main(argv=None):
                           boots=a.boot)
             print(balance_table(res, a.names, a.claim))
         else:
-            for r in [a.runs, *a.seed_runs]:
+            for r in [a.runs, *a.seed_runs, *a.law_runs]:
                 if not os.path.isdir(r):
                     raise UsageError(f"no run directory {r}: run arena.sh first")
-            print(f"wrote {report(a.runs, a.out or os.path.join(a.runs, 'report.md'), a.seed_runs)}")
+            print(f"wrote {report(a.runs, a.out or os.path.join(a.runs, 'report.md'), a.seed_runs, a.law_runs)}")
     except UsageError as e:
         usage_exit(e)
     sys.stdout.flush()

@@ -84,3 +84,65 @@ def test_the_full_scale_arena_needs_a_local_base_first(tmp_path):
     r = subprocess.run(["bash", "arena.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no model there; download the base once" in r.stderr, (r.returncode, r.stderr)
     assert r.stderr.strip().count("\n") == 0 and os.listdir(tmp_path) == []
+
+
+def two_nodes(tmp_path, fail=""):
+    """The full-scale arena on two 'nodes' (NODE_RANK 0 and 1, one shared runs/), its torchrun and python replaced by
+    stubs that log each call's node, start and end (calls_of reads them); node 0's python steps take 0.4 s; the
+    stub fails on the script named `fail`. -> [(returncode, output) of node 0, of node 1]."""
+    bin_, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_.mkdir()
+    for prog in ("python", "torchrun"):
+        stub = bin_ / prog
+        stub.write_text(f"""#!/bin/bash
+s=$(date +%s.%N)
+script=$(for x in "$@"; do case "$x" in *.py) echo "$x"; break;; esac; done)
+[ "{prog}" != python ] || sleep 0.4
+echo "$NODE_RANK {prog} $script $s $(date +%s.%N)" >> {log}
+[ "$script" != "{fail}" ]
+""")
+        stub.chmod(0o755)
+    base = tmp_path / "models" / "Qwen3-8B-Base"   # a base outside runs/: evaluated through the link runs/q/base
+    base.mkdir(parents=True)
+    (base / "config.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k not in ("QUICK", "SEEDS", "ACL_PYTHON", "NODE_RANK")}
+    env.update(ARENA="qwen3-8b", RUNS=str(tmp_path / "runs" / "q"), BASE=str(base), PATH=f"{bin_}:{env['PATH']}",
+               NODE_POLL="0.1", TOKENIZERS_PARALLELISM="false")
+    procs = [subprocess.Popen(["bash", "arena.sh"], cwd=ROOT, env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    return [(p.wait(timeout=120), p.stdout.read()) for p in procs]
+
+
+def test_two_nodes_share_the_arena_node_0_alone_runs_the_python_steps_and_node_1_waits_for_them(tmp_path):
+    """ARENA=qwen3-8b with NODE_RANK 0 and 1 (issue 38): the python steps (analyze, merge, evaluate, report) run on
+    node 0 alone; node 1 starts each torchrun step only after node 0 has finished every python step before it (a
+    torchrun launched during node 0's hours of evaluation would time out at the rendezvous); node 0 alone writes the
+    time table and the report; the base outside runs/ is linked in as runs/q/base, so it is evaluated as `base`."""
+    (r0, out0), (r1, out1) = two_nodes(tmp_path)
+    assert r0 == 0 and r1 == 0, out0[-2000:] + out1[-2000:]
+    py = [c for c in calls_of(tmp_path, 0) if c[1] == "python"]
+    assert [c[2] for c in py][-1] == "report.py" and {"analyze.py", "merge.py", "evaluate.py"} <= {c[2] for c in py}
+    assert not [c for c in calls_of(tmp_path, 1) if c[1] == "python"]
+    assert "node 0's step; node 1 waits for it" in out1 and "node 1: done" in out1
+    t0 = [c for c in calls_of(tmp_path, 0) if c[1] == "torchrun"]
+    t1 = [c for c in calls_of(tmp_path, 1) if c[1] == "torchrun"]
+    assert [c[2] for c in t0] == [c[2] for c in t1] == ["train_seq.py", "train_seq.py", "sdft.py", "mle.py", "mmopd.py"]
+    for k, launch in enumerate(t1):   # every python call node 0 made before its k-th torchrun, ended before node 1's
+        before = [c for c in py if c[3] < t0[k][3]]
+        assert all(c[4] <= launch[3] for c in before), (k, launch, before)
+    assert os.path.islink(tmp_path / "runs" / "q" / "base")
+    assert os.path.isfile(tmp_path / "runs" / "q" / "arena_times.md")
+    assert "seq" in open(tmp_path / "runs" / "q" / "arena_times.txt").read()   # node 0's table; node 1 keeps its own
+    assert os.path.isfile(tmp_path / "runs" / "q" / "logs" / "arena_times.node1.txt")
+
+
+def test_a_python_step_that_fails_on_node_0_stops_node_1(tmp_path):
+    (r0, out0), (r1, out1) = two_nodes(tmp_path, fail="analyze.py")
+    assert r0 != 0 and r1 != 0 and "analyze-seq failed on node 0: node 1 stops" in out1, out1[-2000:]
+    assert not [c for c in calls_of(tmp_path, 1) if c[2] == "sdft.py"]
+
+
+def calls_of(tmp_path, node):
+    """The stubs' calls on one node, in order (a node runs one step at a time): [(node, program, script, start, end)]."""
+    return [c for c in (tuple(x if i in (1, 2) else float(x) if i > 2 else int(x) for i, x in enumerate(line.split()))
+                        for line in (tmp_path / "calls.log").read_text().splitlines()) if c[0] == node]

@@ -333,6 +333,37 @@ def test_the_forgetting_law_section_fits_drop_against_kl(run, tmp_path):
     assert (run / "analysis" / "forgetting_kl.png").is_file()
 
 
+def test_the_cold_start_ablation_adds_its_stages_to_the_law_and_nothing_else(run, tmp_path):
+    """report(law_runs=...): another cold start's sequential run (arena.sh LAW_ABLATION=1) adds its stages' points to
+    the law's table, fit and plot, under its own name; the study's tables are the main run's; a law run without
+    records, or scored with other settings, is refused in one line."""
+    def kl_moves(kls):
+        return [dict(before=f"seq-{k - 1}-{ALL[k - 2]}", after=f"seq-{k}-{d}", domain=dd, kl=kl if dd == d else kl / 3,
+                     se=0.001, tokens=100, episodes=10) for k, (d, kl) in enumerate(zip(ALL[1:], kls), 2) for dd in ALL]
+    path = run / "analysis" / "analysis.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), kl_moves=kl_moves((0.02, 0.09, 0.05)))))
+    none = tmp_path / "runs-coldnone"
+    (none / "eval").mkdir(parents=True)
+    (none / "analysis").mkdir()
+    for name in ("seq-1-math", "seq-2-search", "seq-3-ecommerce", "seq-4-if"):   # GRPO alone: nothing learned, kept
+        full_record(none / "eval" / f"{name}.json", dict(zip(ALL, (0.1, 0.1, 0.1, 0.1))))
+    (none / "analysis" / "analysis.json").write_text(json.dumps({"kl_moves": kl_moves((0.001, 0.002, 0.001))}))
+    text = open(report.report(str(run), str(tmp_path / "r.md"), law_runs=[str(none)])).read()
+    assert "| runs-coldnone | seq-2-search | 0.0010 ± 0.0010 | – | – | math 0.000 ± 0.000 |" in text
+    assert "| runs | seq-3-ecommerce | 0.0900 ± 0.0010 |" in text and "12 points" in text
+    assert f"--law-runs {none}" in text
+    # the study's table is the main run's alone: Seq-Final's math is the fixture's 0.400, not the ablation's 0.100
+    assert "| Seq-IF | 0.400 ± " in text
+    rec = json.loads((none / "eval" / "seq-2-search.json").read_text())
+    (none / "eval" / "seq-2-search.json").write_text(json.dumps(dict(rec, settings={"temperature": 0.6})))
+    with pytest.raises(UsageError, match="different scoring code or settings: .*runs-coldnone/seq-2-search"):
+        report.report(str(run), str(tmp_path / "r.md"), law_runs=[str(none)])
+    empty = tmp_path / "runs-coldself"
+    (empty / "eval").mkdir(parents=True)
+    with pytest.raises(UsageError, match="--law-runs .*runs-coldself: no evaluation records"):
+        report.report(str(run), str(tmp_path / "r.md"), law_runs=[str(empty)])
+
+
 def test_across_training_seeds(tmp_path):
     """arena.sh SEEDS > 1: every seed's accuracy matrix, from hand-made records, as mean ± std over the seeds."""
     def math_record(values):
