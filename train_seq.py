@@ -34,7 +34,11 @@ Differences from the paper:
    every rank). Either way the loop is: generate -> sleep -> train -> wake -> push weights, parameter by
    parameter; under torchrun the hf backend keeps one unsharded copy of the policy per rank to push into.
 2. The tiny preset's step counts, batch sizes and learning rate are chosen to fit a 2-core CPU; the
-   qwen3-8b preset's follow the paper's range (group 8, lr 1e-6).
+   qwen3-8b preset's follow the authors' recipe (group 16 for math and 8 elsewhere, math responses to 16k tokens,
+   lr 1e-6, GSPO for search and e-commerce, two optimizer steps per rollout batch) but for the agentic cold start,
+   self-RFT by default: theirs for e-commerce is SFT on teacher rollouts (--cold-start search=self,ecommerce=expert
+   --expert-data DIR, the README's full-scale command), and the tau data (theirs: tau-bench v1 retail's 500 tasks,
+   --tau-data).
 3. The optimizer is reset at every stage (each stage is its own RL run, as in the paper's pipeline).
 """
 import argparse
@@ -159,7 +163,8 @@ def recipe(a, domain: str) -> dict:
     parent = stage_dir(a, len(before), before[-1]) if before else a.init
     cold = a.rft_prompts_by_domain.get(domain, 0) > 0
     return dict(grpo_recipe(a, domain, parent), rft_samples=a.rft_samples, rft_epochs=a.rft_epochs, rft_lr=a.rft_lr,
-                rft_prompts=a.rft_prompts_by_domain[domain] if cold else 0, cold_start=a.cold_start if cold else None,
+                rft_prompts=a.rft_prompts_by_domain[domain] if cold else 0,
+                cold_start=a.cold_start_by_domain[domain] if cold else None,
                 expert_data=os.path.abspath(a.expert_data) if cold and a.expert_data else None, init=init,
                 trained_after=before, expert_data_id=common.identity(a.expert_data) if cold and a.expert_data else None)
 
@@ -171,7 +176,8 @@ def stage_args(a, domain: str):
                                      kl_coef=per_domain("--kl-coef", a.kl_coef, [domain], float)[domain],
                                      loss=per_domain("--loss", a.loss, [domain], str)[domain],
                                      group=a.group_by_domain[domain], max_tokens=a.max_tokens_by_domain[domain],
-                                     max_turn_tokens=a.max_turn_tokens_by_domain[domain]))
+                                     max_turn_tokens=a.max_turn_tokens_by_domain[domain],
+                                     cold_start=a.cold_start_by_domain[domain]))
 
 
 def check_stage(a, i: int, domain: str):
@@ -471,9 +477,10 @@ def get_args(argv=None):
     p.add_argument("--oracle", action="store_true", help="train each curriculum domain alone from --init "
                                                           "-> runs/<preset>/oracle/<domain>")
     add_grpo_flags(p, preset)
-    p.add_argument("--cold-start", default=preset["cold_start"], choices=["expert", "self"],
+    p.add_argument("--cold-start", default=preset["cold_start"], metavar="expert|self",
                    help="the stages' cold start: SFT on an expert's rollouts (tiny: the worlds' scripted expert; "
-                        "full scale: --expert-data) or on the policy's own filtered samples (RFT)")
+                        "full scale: --expert-data) or on the policy's own filtered samples (RFT); one for every "
+                        "stage, or per domain with a cold start: search=self,ecommerce=expert")
     p.add_argument("--expert-data", default=None, metavar="DIR", help="--cold-start expert at full scale: teacher "
                    "rollouts, *.jsonl of episode records (evaluate.py --save-episodes on the train split)")
     p.add_argument("--rft-prompts", default=preset["rft_prompts"],
@@ -509,10 +516,14 @@ def check_args(a):
         require_real_data(a, a.curriculum)
     a.env_opts = env_options(a)
     from envs.rollout import expert_records
-    cold = [d for d, n in a.rft_prompts_by_domain.items() if n > 0]
-    if a.expert_data and a.cold_start != "expert":
-        raise UsageError("--expert-data is for --cold-start expert")
-    for d in cold if a.cold_start == "expert" and (a.expert_data or a.preset != "tiny") else []:
+    by = per_domain("--cold-start", a.cold_start, [d for d in a.curriculum if a.rft_prompts_by_domain[d] > 0], str)
+    a.cold_start_by_domain = {d: by.get(d) for d in a.curriculum}   # None: a stage without a cold start
+    if not set(by.values()) <= {"expert", "self"}:
+        raise UsageError(f"--cold-start takes expert or self, or domain=expert|self,...; got {a.cold_start!r}")
+    cold = [d for d, n in a.rft_prompts_by_domain.items() if n > 0 and a.cold_start_by_domain[d] == "expert"]
+    if a.expert_data and not cold:
+        raise UsageError("--expert-data is for --cold-start expert (on a domain with --rft-prompts > 0)")
+    for d in cold if a.expert_data or a.preset != "tiny" else []:
         if not a.expert_data:
             raise UsageError(f"--cold-start expert at full scale needs --expert-data DIR (teacher rollouts of {d})")
         if not any(r.get("reward", 0) >= 1 for r in expert_records(a.expert_data, d)):

@@ -596,6 +596,10 @@ def test_per_domain_rates_parse_and_refuse_bad_input():
     (["--kl-coef", "math=0.01,search=0,ecommerce=-0.1,if=0"], "--kl-coef must be >= 0"),
     (["--kl-coef", "lots"], "--kl-coef takes X or domain=X"),
     (["--expert-data", "x", "--cold-start", "self"], "--expert-data is for --cold-start expert"),
+    (["--cold-start", "math=self,search=expert,ecommerce=teacher,if=self"], "--cold-start takes expert or self"),
+    (["--cold-start", "math=self,search=expert"], "--cold-start names no value for ecommerce"),
+    (["--preset", "qwen3-8b", "--cold-start", "search=self,ecommerce=expert", "--dry-run", "--world-size", "8"],
+     "needs --expert-data DIR \\(teacher rollouts of ecommerce\\)"),
     (["--preset", "qwen3-8b", "--cold-start", "expert", "--dry-run", "--world-size", "8"], "needs --expert-data DIR"),
 ])
 def test_train_seq_refuses_bad_rates_in_one_line(flags, msg, tmp_path, micro):
@@ -620,3 +624,17 @@ def test_per_domain_rates_reach_the_stage_and_its_recipe(tmp_path, micro):
     r = train_seq.recipe(a, "math")
     assert (r["lr"], r["kl_coef"], r["cold_start"]) == (1e-3, 0.01, None)     # math has no cold start
     assert train_seq.recipe(a, "search")["cold_start"] == "expert"             # the tiny preset's default
+
+
+def test_the_cold_start_per_domain_reaches_each_stage_and_its_recipe(tmp_path, micro):
+    """--cold-start search=self,ecommerce=expert (the authors' e-commerce SFT on teacher rollouts beside self-RFT):
+    each stage gets its own, in its arguments and its recipe; a domain without a cold start needs none named."""
+    from acl.common import save_checkpoint
+    model, tok = micro
+    save_checkpoint(str(tmp_path / "base"), model, tok, {"method": "base"})
+    a = train_seq.check_args(train_seq.get_args(["--init", str(tmp_path / "base"), "--runs", str(tmp_path / "r"),
+                                                 "--rft-prompts", "math=0,search=8,ecommerce=8,if=0",
+                                                 "--cold-start", "search=self,ecommerce=expert"]))
+    assert a.cold_start_by_domain == {"math": None, "search": "self", "ecommerce": "expert", "if": None}
+    assert [train_seq.stage_args(a, d).cold_start for d in ("search", "ecommerce")] == ["self", "expert"]
+    assert [train_seq.recipe(a, d)["cold_start"] for d in ("math", "search", "ecommerce", "if")] == [None, "self", "expert", None]
