@@ -761,6 +761,48 @@ def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: st
     return lines + [""]
 
 
+# The tiny arena's own bars (issue 41), fixed before the runs they judge: is the instrument strong and precise enough
+# for the findings to be seen? Measured, never tuned toward.
+OWN_BAR, OWN_BAR_ALL, OOD_BAR, SE_BAR = 0.50, 0.35, 0.10, 0.02
+
+
+def arena_bars(recs_by_seed: list) -> list:
+    """Each domain's own stage on `test` (>= OWN_BAR in three domains, >= OWN_BAR_ALL in all four) and its oracle on
+    `ood` (>= OOD_BAR), means over the seeds; the largest paired SE of a forgetting cell (own stage - Seq-Final on the
+    three earlier domains) and of a consolidator - Seq-Final cell (every domain), over the seeds (<= SE_BAR).
+    -> report lines."""
+    S = [Scores.from_records(rs) for rs in recs_by_seed]
+    own = {d: over_seeds([s.mean(OWN_STAGE[d], f"{d}/test") for s in S]) for d in DOMAINS}
+    ood = {d: over_seeds([s.mean(f"oracle-{d}", f"{d}/ood") for s in S]) for d in DOMAINS}
+    cells = {"forgetting": [(f"{OWN_STAGE[d]} − {FINAL} on {d}", OWN_STAGE[d], d) for d in DOMAINS if OWN_STAGE[d] != FINAL],
+             "consolidator − Seq-Final": [(f"{c} − {FINAL} on {d}", c, d) for c in (*CONSOLIDATORS, "mle-learned")
+                                          for d in DOMAINS]}
+    worst = {}
+    for kind, cs in cells.items():
+        ses = [(s.diff(a, FINAL, f"{d}/test")[1], f"{name}" + (f" (seed {i})" if len(S) > 1 else ""))
+               for i, s in enumerate(S) for name, a, d in cs]
+        ses = [x for x in ses if x[0] is not None]
+        worst[kind] = (max(ses), sum(x[0] > SE_BAR for x in ses), len(ses)) if ses else None
+    ok = lambda x, bar: "–" if x is None else ("met" if x >= bar else "missed")   # noqa: E731
+    spread = lambda m: fmt(*m) if m[0] is not None else "–"   # noqa: E731
+    n_own = sum(m is not None and m >= OWN_BAR for m, _ in own.values())
+    lines = ["## The arena's bars (issue 41)", "",
+             f"Whether this miniature is strong and precise enough to show the study, each bar fixed before the runs "
+             f"(report.py: OWN_BAR, OOD_BAR, SE_BAR); means{' ± std over the seeds' if len(S) > 1 else ''}.", "",
+             "| bar | " + " | ".join(DOMAINS) + " | verdict |", "|---" * (len(DOMAINS) + 2) + "|",
+             f"| own stage on `test` ≥ {OWN_BAR:.2f} in three domains, ≥ {OWN_BAR_ALL:.2f} in all | " +
+             " | ".join(spread(own[d]) for d in DOMAINS) +
+             f" | {'met' if n_own >= 3 and all(m is not None and m >= OWN_BAR_ALL for m, _ in own.values()) else 'missed'}"
+             f" ({n_own} of {len(DOMAINS)} ≥ {OWN_BAR:.2f}) |",
+             f"| its oracle on `ood` ≥ {OOD_BAR:.2f} | " + " | ".join(spread(ood[d]) for d in DOMAINS) + " | " +
+             ", ".join(f"{d} {ok(ood[d][0], OOD_BAR)}" for d in DOMAINS) + " |", ""]
+    for kind, w in worst.items():
+        lines.append(f"- the largest paired SE of a {kind} cell: " + (
+            f"{w[0][0]:.4f} ({w[0][1]}); {w[1]} of {w[2]} cells above {SE_BAR} ({'met' if w[1] == 0 else 'missed'})"
+            if w else "not measurable here"))
+    return lines + [""]
+
+
 def sdft_grid(eval_dir: str) -> str | None:
     """The SDFT ablation grid (arena.sh SDFT_GRID=1: eval/sdft-ablation-<cell>.json) as a table of each domain's
     `test` score ± SE and its paired difference to the default SDFT; None when the grid was not run."""
@@ -898,6 +940,7 @@ def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
             [f"![{t}]({rel(p)})" for t, p in shown] + [""]
     checked = [check_findings(Scores.from_records(rs), analysis_of(r)) for r, rs in zip(all_runs, recs_by_seed)]
     lines += findings_section(checked, seeds)
+    lines += [""] + arena_bars(recs_by_seed)
     lines += [""] + law if law else []
     sdft = sdft_grid(eval_dir)
     if sdft:

@@ -3,6 +3,7 @@ the balanced-profile finding on hand-made evaluation records (ratios, minimum, b
 a hand-made arena run."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -362,6 +363,28 @@ def test_the_cold_start_ablation_adds_its_stages_to_the_law_and_nothing_else(run
     (empty / "eval").mkdir(parents=True)
     with pytest.raises(UsageError, match="--law-runs .*runs-coldself: no evaluation records"):
         report.report(str(run), str(tmp_path / "r.md"), law_runs=[str(empty)])
+
+
+def test_the_arenas_bars_are_measured_from_the_records(run, tmp_path):
+    """Issue 41's bars in the report: each domain's own stage on `test` (>= 0.50 in three, >= 0.35 in all), its oracle
+    on `ood` (>= 0.10), and the largest paired SE of the forgetting and consolidator - Seq-Final cells (<= 0.02): the
+    fixture's 100 tasks miss the SE bar and its oracles (ood a tenth of 0.6) the ood bar; 2,500 tasks meet the SE bar,
+    and an own stage at 0.30 misses the first."""
+    text = open(report.report(str(run), str(tmp_path / "r.md"))).read()
+    assert "| own stage on `test` ≥ 0.50 in three domains, ≥ 0.35 in all | 0.600 | 0.600 | 0.600 | 0.600 | met (4 of 4" in text
+    assert "| its oracle on `ood` ≥ 0.10 | 0.060 | 0.060 | 0.060 | 0.060 | math missed, search missed" in text
+    assert re.search(r"largest paired SE of a forgetting cell: 0\.0\d+ \(seq-\d-\w+ − seq-4-if on \w+\); 3 of 3 cells "
+                     r"above 0\.02 \(missed\)", text), text
+    ev = tmp_path / "big"
+    ev.mkdir()
+    rates = {"seq-1-math": (0.6, 0, 0, 0), "seq-2-search": (0.3, 0.6, 0, 0), "seq-3-ecommerce": (0.1, 0.2, 0.3, 0),
+             "seq-4-if": (0.1, 0.1, 0.1, 0.6), "oracle-math": (0.6, 0, 0, 0), "sdft": (0.4, 0.4, 0.2, 0.5)}
+    for name, r in rates.items():
+        full_record(ev / f"{name}.json", dict(zip(ALL, r)), n=2500)
+    lines = "\n".join(report.arena_bars([report.load_records(str(ev))]))
+    assert "| 0.600 | 0.600 | 0.300 | 0.600 | missed (3 of 4 ≥ 0.50) |" in lines
+    assert "| its oracle on `ood` ≥ 0.10 | 0.060 | – | – | – | math missed, search –" in lines
+    assert "0 of 3 cells above 0.02 (met)" in lines and "0 of 4 cells above 0.02 (met)" in lines
 
 
 def test_across_training_seeds(tmp_path):
