@@ -38,13 +38,15 @@ else
 fi
 EVAL_DEVICES=${EVAL_DEVICES:-}
 TRAIN_ARGS=${TRAIN_ARGS:-}
+SEQ_ARGS=${SEQ_ARGS:-}   # train_seq.py's own flags, for the stages and the oracles alone (full scale: the authors' cold
+                         # start, --cold-start search=self,ecommerce=expert --expert-data DIR)
 EVAL_ARGS=${EVAL_ARGS:-}
 # evaluate.py's tasks per split (step 8); the full suite takes each benchmark whole. 800 `test` tasks so that a paired
 # difference has an SE <= 0.02: a task's score varies more between tasks than between samples (avg@8 at 300 tasks still
 # leaves 0.022 on e-commerce), so more tasks buy precision at a third of avg@k's cost; 200 `ood` tasks to judge the
 # oracles' >= 0.10 there (SE 0.02). The gold log-likelihood stays on each split's first 300 (evaluate.py --gold-n)
 N_EVAL_DEFAULT=test=800,ood=200
-N_MIXED=test=300,ood=100          # the mixed-domain tasks (step 8's last table)
+N_MIXED_DEFAULT=test=300,ood=100  # the mixed-domain tasks (step 8's last table)
 # each script's reduction under QUICK=1 (empty otherwise)
 Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
 if [ "$QUICK" = 1 ]; then
@@ -57,9 +59,9 @@ if [ "$QUICK" = 1 ]; then
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
     Q_MLE="--steps 1 --prompts 2 --group 2 --router-prompts 16 --router-steps 20"
     Q_ANALYZE="--n 8 --kl-n 4"
-    N_EVAL_DEFAULT=test=10,ood=5 N_MIXED=test=10,ood=5
+    N_EVAL_DEFAULT=test=10,ood=5 N_MIXED_DEFAULT=test=10,ood=5
 fi
-N_EVAL=${N_EVAL:-$N_EVAL_DEFAULT}
+N_EVAL=${N_EVAL:-$N_EVAL_DEFAULT} N_MIXED=${N_MIXED:-$N_MIXED_DEFAULT}
 [ "$ARENA" = tiny ] || N_EVAL=""
 
 BASE=${BASE:-$RUNS/base}   # full scale: a local copy of the base model's directory, the --init of every stage and
@@ -79,9 +81,14 @@ NODE=${NODE_RANK:-0}
 # that step (a torchrun one, which needs node 0) before it has.
 DONE=$RUNS/logs/.done
 if [ "$NODE" = 0 ]; then
-    mkdir -p "$DONE" && rm -f "$DONE"/*.done "$DONE"/*.failed
+    mkdir -p "$DONE" && rm -f "$DONE"/*.done "$DONE"/*.failed "$DONE/.abort"
     # full scale: the base evaluated under its name, runs/<arena>/base: a link to BASE when it lives elsewhere
-    [ "$ARENA" = tiny ] || [ -e "$RUNS/base" ] || ln -s "$(cd "$BASE" && pwd)" "$RUNS/base"
+    # (a link this script made, to another BASE before, is replaced; a directory there is the base itself)
+    if [ "$ARENA" != tiny ] && { [ -L "$RUNS/base" ] || [ ! -e "$RUNS/base" ]; }; then
+        ln -sfn "$(cd "$BASE" && pwd)" "$RUNS/base"
+    fi
+    # a node-0 exit outside a step's own failure (a kill, a set -e line) tells the other nodes to stop waiting
+    trap '[ $? = 0 ] || touch "$DONE/.abort"' EXIT
 fi
 TIMES=$RUNS/arena_times.txt
 [ "$NODE" = 0 ] || TIMES=$RUNS/logs/arena_times.node$NODE.txt   # node 0's table is the arena's
@@ -96,7 +103,7 @@ PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps run
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
 STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned evaluate-runs
        analyze evaluate-consolidators evaluate-mixed)
-if [ "${LAW_ABLATION:-0}" = 1 ]; then
+if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
     for c in self none; do STEPS+=("law-$c" "law-$c-analyze" "law-$c-evaluate"); done
 fi
 for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
@@ -108,7 +115,10 @@ t() {
         echo "[$(date +%H:%M:%S)] $name: node 0's step; node $NODE waits for it"
         until [ -f "$DONE/$name.done" ]; do
             [ ! -f "$DONE/$name.failed" ] || { echo "[$(date +%H:%M:%S)] $name failed on node 0: node $NODE stops"; return 1; }
-            sleep "${NODE_POLL:-10}"
+            [ ! -f "$DONE/.abort" ] || { echo "[$(date +%H:%M:%S)] node 0's arena.sh ended early: node $NODE stops"; return 1; }
+            sleep "${NODE_POLL:-10}"; k=$((k + 1))
+            # (node 0 killed outright leaves no mark: this line, every ~10 min, says what is awaited)
+            [ $((k % 60)) != 0 ] || echo "[$(date +%H:%M:%S)] node $NODE still waits for node 0's $name"
         done
         return 0
     fi
@@ -159,8 +169,8 @@ if [ "$ARENA" = tiny ]; then Q_SEQ="--init $RUNS/base --eval-n 0 $Q_SEQ" Q_SDFT=
 else Q_SEQ="--init $BASE $Q_SEQ" Q_SDFT="--student $BASE $Q_SDFT"; fi
 # 2. the sequential run math -> search -> ecommerce -> if (~6 min), and
 # 3. the four single-task oracles, each one stage from the base (~6 min), side by side
-seq_run() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS; }
-oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $Q_SEQ $TRAIN_ARGS; }
+seq_run() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS $SEQ_ARGS; }
+oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $Q_SEQ $TRAIN_ARGS $SEQ_ARGS; }
 lanes seq_run oracles
 # steps 4-6 run in two lanes: analyze-seq, SDFT, MLE and MLE's learned-router evaluation; the merges, MMOPD and the
 # evaluation of the base, the stages and the oracles (step 8's first half, which needs no consolidator)
@@ -184,7 +194,7 @@ STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
 eval_runs() {
     t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_DEVICES --out-dir "$RUNS/eval" \
         --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
-    cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
+    [ "$NODE" != 0 ] || cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
 }
 merges_mmopd() {
     t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" \
@@ -198,7 +208,7 @@ merges_mmopd() {
     eval_runs
 }
 # 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
-#    their balanced union, from the base -> runs/tiny/sdft (~1 min); then
+#    their balanced union, from the base -> runs/tiny/sdft (~6 min: sized to the other consolidators' cost); then
 # 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
 #    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)

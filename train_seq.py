@@ -162,11 +162,12 @@ def recipe(a, domain: str) -> dict:
     before = [] if a.oracle else a.curriculum[: a.curriculum.index(domain)]
     parent = stage_dir(a, len(before), before[-1]) if before else a.init
     cold = a.rft_prompts_by_domain.get(domain, 0) > 0
+    expert = cold and a.cold_start_by_domain[domain] == "expert"   # a self-RFT stage does not read --expert-data
     return dict(grpo_recipe(a, domain, parent), rft_samples=a.rft_samples, rft_epochs=a.rft_epochs, rft_lr=a.rft_lr,
                 rft_prompts=a.rft_prompts_by_domain[domain] if cold else 0,
                 cold_start=a.cold_start_by_domain[domain] if cold else None,
-                expert_data=os.path.abspath(a.expert_data) if cold and a.expert_data else None, init=init,
-                trained_after=before, expert_data_id=common.identity(a.expert_data) if cold and a.expert_data else None)
+                expert_data=os.path.abspath(a.expert_data) if expert and a.expert_data else None, init=init,
+                trained_after=before, expert_data_id=common.identity(a.expert_data) if expert and a.expert_data else None)
 
 
 def stage_args(a, domain: str):
@@ -177,7 +178,7 @@ def stage_args(a, domain: str):
                                      loss=per_domain("--loss", a.loss, [domain], str)[domain],
                                      group=a.group_by_domain[domain], max_tokens=a.max_tokens_by_domain[domain],
                                      max_turn_tokens=a.max_turn_tokens_by_domain[domain],
-                                     cold_start=a.cold_start_by_domain[domain]))
+                                     cold_start=getattr(a, "cold_start_by_domain", {}).get(domain)))   # (mle.py: none)
 
 
 def check_stage(a, i: int, domain: str):
@@ -517,10 +518,10 @@ def check_args(a):
     a.env_opts = env_options(a)
     from envs.rollout import expert_records
     by = per_domain("--cold-start", a.cold_start, [d for d in a.curriculum if a.rft_prompts_by_domain[d] > 0], str)
-    a.cold_start_by_domain = {d: by.get(d) for d in a.curriculum}   # None: a stage without a cold start
-    if not set(by.values()) <= {"expert", "self"}:
+    a.cold_start_by_domain = {d: by.get(d) if a.rft_prompts_by_domain[d] > 0 else None for d in a.curriculum}
+    if not {v.partition("=")[2] or v for v in str(a.cold_start).split(",")} <= {"expert", "self"}:
         raise UsageError(f"--cold-start takes expert or self, or domain=expert|self,...; got {a.cold_start!r}")
-    cold = [d for d, n in a.rft_prompts_by_domain.items() if n > 0 and a.cold_start_by_domain[d] == "expert"]
+    cold = [d for d in a.curriculum if a.cold_start_by_domain[d] == "expert"]
     if a.expert_data and not cold:
         raise UsageError("--expert-data is for --cold-start expert (on a domain with --rft-prompts > 0)")
     for d in cold if a.expert_data or a.preset != "tiny" else []:
