@@ -102,7 +102,7 @@ PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps run
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
 STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned evaluate-runs
-       analyze evaluate-consolidators evaluate-mixed)
+       evaluate-oracles analyze evaluate-consolidators evaluate-mixed)
 if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
     for c in self none; do STEPS+=("law-$c" "law-$c-analyze" "law-$c-evaluate"); done
 fi
@@ -172,8 +172,20 @@ else Q_SEQ="--init $BASE $Q_SEQ" Q_SDFT="--student $BASE $Q_SDFT"; fi
 seq_run() { t seq $RUN train_seq.py --preset "$ARENA" $Q_SEQ $TRAIN_ARGS $SEQ_ARGS; }
 oracles() { t oracles $RUN train_seq.py --preset "$ARENA" --oracle $Q_SEQ $TRAIN_ARGS $SEQ_ARGS; }
 lanes seq_run oracles
-# steps 4-6 run in two lanes: analyze-seq, SDFT, MLE and MLE's learned-router evaluation; the merges, MMOPD and the
-# evaluation of the base, the stages and the oracles (step 8's first half, which needs no consolidator)
+# steps 4-8, each a function below: in two lanes (tiny), a step that needs another lane's output waiting for its mark
+# (`after`); or one after another in the order of the last lines (LANES=1, full scale)
+# `after STEP...`: in lanes, wait until node 0 has finished these steps (their marks in runs/<arena>/logs/.done/), and
+# stop if one failed; one step at a time, they are done already
+after() {
+    local s
+    if [ "$LANES" -le 1 ]; then return 0; fi
+    for s in "$@"; do
+        until [ -f "$DONE/$s.done" ]; do
+            [ ! -f "$DONE/$s.failed" ] || { echo "[$(date +%H:%M:%S)] $s failed: the steps after it stop"; return 1; }
+            sleep 2
+        done
+    done
+}
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
 analyze_seq() {
@@ -182,21 +194,12 @@ analyze_seq() {
 }
 # 5. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
 #    ways; grid and balanced score candidates on each domain's val tasks of the tiny worlds, so they run in
-#    the tiny arena only
+#    the tiny arena only: uniform lambda = 1/4 (seconds), the best mean val score on a simplex grid of step 0.5, 11
+#    candidates (~2 min), and the best worst-domain val score relative to the oracles on the same candidates (their val
+#    scores reused: ~20 s)
 STAGES=("$RUNS"/seq/[0-9]-{math,search,ecommerce,if})
-# uniform lambda = 1/4 (seconds), the best mean val score on a simplex grid of step 0.5, 11 candidates (~2 min), and the
-# best worst-domain val score relative to the oracles on the same candidates (their val scores reused: ~20 s); then
-# 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
-#    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~6 min)
-# 8a. (in the second lane, after MMOPD) the base, every stage and oracle evaluated: N_EVAL tasks per split, the
-#    accuracy matrix (forgetting, BWT, FWT, its heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so
-#    its scores are reused) (~10 min)
-eval_runs() {
-    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_DEVICES --out-dir "$RUNS/eval" \
-        --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS"/oracle/{math,search,ecommerce,if}
-    [ "$NODE" != 0 ] || cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
-}
-merges_mmopd() {
+MERGES=(merge-uniform); [ "$ARENA" != tiny ] || MERGES+=(merge-grid merge-balanced)
+merges() {
     t merge-uniform python merge.py --base "$BASE" --models "${STAGES[@]}" \
         --search uniform --out "$RUNS/merge/uniform" $Q_MERGE
     [ "$ARENA" != tiny ] || t merge-grid python merge.py --base "$BASE" \
@@ -204,27 +207,38 @@ merges_mmopd() {
     [ "$ARENA" != tiny ] || t merge-balanced python merge.py --base "$BASE" \
         --models "${STAGES[@]}" --search balanced --grid-step 0.5 --oracles "$RUNS"/oracle/{math,search,ecommerce,if} \
         --scores-from "$RUNS/merge/grid" --out "$RUNS/merge/balanced" $Q_MERGE
-    t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS
-    eval_runs
 }
 # 6. SDFT: the oracles' filtered rollouts (runs/tiny/sdft-pool, the funnel printed) -> one student fine-tuned on
-#    their balanced union, from the base -> runs/tiny/sdft (~6 min: sized to the other consolidators' cost); then
+#    their balanced union, from the base -> runs/tiny/sdft (~6 min: sized to the other consolidators' cost)
+sdft() { t sdft $RUN sdft.py --preset "$ARENA" $Q_SDFT $TRAIN_ARGS; }
+# 6b. MMOPD: Seq-Final samples on every domain's prompts, each episode scored by the stage that learned its domain
+#    (reverse KL as an advantage, forward KL over the teacher's top-16 where it is unsure) -> runs/tiny/mmopd (~6 min)
+mmopd() { t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS; }
 # 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
 #    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)
-#    and MLE routed by its learned router evaluated as 8a does (eval/mle-learned.json, ~2.5 min)
-sdft_mle() {
-    analyze_seq
-    t sdft $RUN sdft.py --preset "$ARENA" $Q_SDFT $TRAIN_ARGS
+#    and MLE routed by its learned router evaluated as 8a does (eval/mle-learned.json, ~3.5 min)
+mle() {
     t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $Q_MLE $TRAIN_ARGS
     t evaluate-mle-learned python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
 }
-lanes sdft_mle merges_mmopd
-# 7. (beside 8b) the analysis again with the consolidators, and the forgetting law: every move's KL(before || after)
-#    per agent token on each domain's test prompts (--kl-n 50 each; a stage's cold start and RL apart)
-#    -> runs/tiny/analysis/ (~6 min)
+# 7. the analysis again with the consolidators, and the forgetting law: every move's KL(before || after) per agent
+#    token on each domain's test prompts (--kl-n 50 each; a stage's cold start and RL apart) -> runs/tiny/analysis/
+#    (~6 min)
 analyze_all() { t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE; }
+# 8a. evaluation, N_EVAL tasks per split: the base and every stage, with the accuracy matrix (forgetting, BWT, FWT, its
+#    heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so its scores are reused) (~7 min); the other
+#    three oracles apart (~4 min)
+eval_runs() {
+    t evaluate-runs python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} $EVAL_ARGS $EVAL_DEVICES --out-dir "$RUNS/eval" \
+        --ckpt "$RUNS/base" "${STAGES[@]}" "$RUNS/oracle/math"
+    [ "$NODE" != 0 ] || cp "$RUNS/logs/evaluate-runs.log" "$RUNS/scores.md" 2>/dev/null || true
+}
+eval_oracles() {
+    t evaluate-oracles python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
+        $EVAL_ARGS $EVAL_DEVICES --out-dir "$RUNS/eval" --ckpt "$RUNS"/oracle/{search,ecommerce,if}
+}
 # 8b. every merge, SDFT, MMOPD and MLE (tag routing) evaluated as in 8a, then the consolidators on the mixed-domain
 #    tasks that need search and arithmetic in one episode and carry no tag (N_MIXED; runs/tiny/eval-mixed/) (~9 min)
 eval_consolidators() {
@@ -234,7 +248,16 @@ eval_consolidators() {
         --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
         "$RUNS/mle" --router learned
 }
-lanes analyze_all eval_consolidators
+# the two lanes, about 24 min each (tiny): the first trains SDFT and MLE, evaluates three oracles and, once the merges
+# and MMOPD are done, analyses; the second merges, distils with MMOPD, evaluates the stages and, once SDFT and MLE are
+# done, the consolidators
+lane_a() { analyze_seq; sdft; mle; eval_oracles; after "${MERGES[@]}" mmopd; analyze_all; }
+lane_b() { merges; mmopd; eval_runs; after sdft mle; eval_consolidators; }
+if [ "$LANES" -gt 1 ]; then
+    lanes lane_a lane_b
+else
+    analyze_seq; merges; mmopd; sdft; mle; eval_runs; eval_oracles; analyze_all; eval_consolidators
+fi
 # 8c. SDFT_GRID=1 (opt-in, tiny): the study's SDFT ablation axis on this run's pool: mix (balanced, proportional) x
 #    order (interleaved, staged, graded) from the base, the Seq-Final student, and no near-dedup (--dedup-threshold
 #    1.0: a pool of its own, collected again from the same oracles), each evaluated as 8a -> runs/tiny/sdft-ablation/
