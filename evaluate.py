@@ -100,8 +100,8 @@ SUITES = ("tiny", "full")
 SUITE_DEFAULTS = {"tiny": {"n": 300, "max_tokens": MAX_TOKENS, "max_turn_tokens": MAX_TURN_TOKENS},
                   "full": {"n": None, "max_tokens": 32768, "max_turn_tokens": 16384}}
 TAU_SPLIT = {"tau_retail": "test", "tau_mock": "base", "tau_telecom": "base"}   # tau3's base splits: 10 and 114 tasks
-# the gold log-likelihood's tasks per split (--gold-n): the first 300 of the split's n; deterministic, so more tasks
-# narrow nothing that matters while costing as much as the sampling
+# the gold log-likelihood's tasks per split (--gold-n): the first 300, whatever --n is (a split's first tasks are the
+# same at any n); deterministic, so more tasks narrow nothing that matters while costing as much as the sampling
 GOLD_N = 300
 DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark samples once per task
 # Sampling temperature per domain. Full: the released evaluation's math 0.6 and tau 0.7; it sets none for search and
@@ -204,7 +204,8 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     per_task: each task's mean reward over seeds and samples, in task_ids' order: two checkpoints evaluated with
         the same tasks and seeds are compared task by task (paired_difference).
     gold: also score the model teacher-forced on the scripted expert's episodes of the same tasks (gold_likelihood;
-        True: every task, an int N: the first N of them (GOLD_N), 0/False: none; tasks with an expert only, and only with the whole model in this process: an FSDP-sharded policy, which
+        True: every task, an int N: the first N of them (GOLD_N: a split's first tasks are the same whatever n is),
+        0/False: none; tasks with an expert only, and only with the whole model in this process: an FSDP-sharded policy, which
         train_seq's in-run evaluation hands over under --backend vllm on rank 0 alone, would wait for the other
         ranks forever); deterministic, seconds.
     episodes: a dict to collect every scored episode into, {benchmark: [envs.rollout.episode_record, ...]}.
@@ -570,17 +571,6 @@ def _stages(names, label) -> list:
     return stages
 
 
-def gold_setting(a, tasks) -> bool | int:
-    """evaluate_model's gold: False (--no-gold), True (every task: --gold-n 0, at least every benchmark's task count,
-    or the full suite, which has no scripted expert), else --gold-n; one computation, one value in the settings, so
-    that --resume keeps a record whatever spelling made it."""
-    if not a.gold:
-        return False
-    if a.suite != "tiny" or not a.gold_n or all(len(items) <= a.gold_n for _, items in (tasks or {}).values()):
-        return True
-    return a.gold_n
-
-
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", default=None, help="checkpoint directories (Hugging Face format, or an MLE "
@@ -781,7 +771,7 @@ def main():
                     batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
                     max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
                     env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend,
-                    gold=gold_setting(a, r["tasks"]),
+                    gold=(a.gold_n or True) if a.gold else False,
                     dtype="bf16" if a.dtype == "bf16" or (a.dtype == "auto" and torch.cuda.is_available()) else "fp32",
                     data=data_identity(r["sources"], r["env_opts"]))
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")

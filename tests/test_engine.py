@@ -248,37 +248,3 @@ def test_a_stream_admit_frees_the_caches_it_stacked(tiny_agent):
     b = Freed(model, tok, max_batch=3)
     rollout(b, tok, items_of("ecommerce"), 2, temperature=0.0, seed=0)
     assert len(b.alive) > 3 and not any(b.alive), b.alive
-
-
-class _SleepyEngine:
-    """A stand-in for the colocated vLLM engine that records what is woken and pushed, in order."""
-    def __init__(self):
-        self.asleep, self.calls, self.path = {"weights", "kv_cache"}, [], "first"
-
-    def wake(self, tags=None):
-        todo = self.asleep & set(tags or self.asleep)
-        self.calls.append(("wake", tuple(sorted(todo))))
-        self.asleep -= todo
-
-    def load_weights(self, named):
-        self.calls.append(("push", "weights" in self.asleep, "kv_cache" in self.asleep, len(list(named))))
-
-
-@pytest.mark.parametrize("with_policy", [True, False])
-def test_the_engine_wakes_its_weights_then_takes_the_push_then_wakes_its_kv_cache(micro, monkeypatch, with_policy):
-    """Issue 38 (memory at vLLM's wake): a later stage's make_backend (the policy's weights) and evaluate.py's next
-    checkpoint (its tensors) wake the engine's weights, push, and only then re-create the KV cache, as wake_and_push
-    does after every update: the KV cache never sits beside the push's gathered tensors. (It woke everything at once.)"""
-    from acl import engine as eng
-    model, tok = micro
-    fake = _SleepyEngine()
-    monkeypatch.setattr(eng, "shared_vllm", lambda *a, **k: (fake, False))
-    monkeypatch.setattr(eng, "same_tensors", lambda *a, **k: None)
-    monkeypatch.setattr(eng, "checkpoint_tensors", lambda path: iter([("w", torch.zeros(1))]))
-    backend, engine_model = eng.make_backend("vllm", tok, "next", policy=model if with_policy else None)
-    n = len(list(model.named_parameters())) if with_policy else 1
-    assert backend is fake and engine_model is None
-    assert fake.calls == [("wake", ("weights",)), ("push", False, True, n), ("wake", ("kv_cache",))], fake.calls
-    fake.calls, fake.asleep = [], {"weights", "kv_cache"}
-    eng.wake_and_push(fake, lambda: fake.load_weights([("w", torch.zeros(1))]))   # after an update, the same order
-    assert fake.calls == [("wake", ("weights",)), ("push", False, True, 1), ("wake", ("kv_cache",))]
