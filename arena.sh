@@ -107,20 +107,28 @@ if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
     for c in self none; do STEPS+=("law-$c" "law-$c-analyze" "law-$c-evaluate"); done
 fi
 for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
+# `wait_mark STEP SECONDS`: wait, polling every SECONDS, until node 0 has marked STEP done; stop (status 1) when it
+# marked it failed or its arena.sh ended early. Node 0 killed outright leaves no mark: a line every ~10 min says what
+# is awaited
+wait_mark() {
+    local next=$((SECONDS + 600))
+    until [ -f "$DONE/$1.done" ]; do
+        [ ! -f "$DONE/$1.failed" ] || { echo "[$(date +%H:%M:%S)] $1 failed on node 0: node $NODE stops"; return 1; }
+        [ ! -f "$DONE/.abort" ] || { echo "[$(date +%H:%M:%S)] node 0's arena.sh ended early: node $NODE stops"; return 1; }
+        sleep "$2"
+        if [ "$SECONDS" -ge "$next" ]; then
+            echo "[$(date +%H:%M:%S)] node $NODE still waits for node 0's $1"; next=$((SECONDS + 600))
+        fi
+    done
+}
 t() {
     local name=$1 s rc=0 i n=0 pid last="" line k=0; shift; s=$(date +%s)
     for i in "${!STEPS[@]}"; do [ "${STEPS[$i]}" = "$name" ] && n=$((i + 1)); done
     # several nodes: a plain-python step is node 0's; the others wait for its mark (above)
     if [ "$NODE" != 0 ] && [ "$1" = python ]; then
         echo "[$(date +%H:%M:%S)] $name: node 0's step; node $NODE waits for it"
-        until [ -f "$DONE/$name.done" ]; do
-            [ ! -f "$DONE/$name.failed" ] || { echo "[$(date +%H:%M:%S)] $name failed on node 0: node $NODE stops"; return 1; }
-            [ ! -f "$DONE/.abort" ] || { echo "[$(date +%H:%M:%S)] node 0's arena.sh ended early: node $NODE stops"; return 1; }
-            sleep "${NODE_POLL:-10}"; k=$((k + 1))
-            # (node 0 killed outright leaves no mark: this line, every ~10 min, says what is awaited)
-            [ $((k % 60)) != 0 ] || echo "[$(date +%H:%M:%S)] node $NODE still waits for node 0's $name"
-        done
-        return 0
+        wait_mark "$name" "${NODE_POLL:-10}"
+        return
     fi
     echo "[$(date +%H:%M:%S)] [$n/${#STEPS[@]}] $name: started$([ "$LANES" -gt 1 ] && echo " (log: $RUNS/logs/$name.log)")"
     if [ "$LANES" -gt 1 ]; then
@@ -139,9 +147,10 @@ t() {
     else
         { "$@" 2>&1 | tee "$RUNS/logs/$name.log"; } || rc=$?
     fi
-    [ $rc = 0 ] || { [ "$NODE" != 0 ] || [ "$1" != python ] || touch "$DONE/$name.failed"; return $rc; }
+    local mark=""; [ "$NODE" != 0 ] || [ "$1" != python ] || mark=$DONE/$name   # node 0 marks its python steps
+    [ $rc = 0 ] || { [ -z "$mark" ] || touch "$mark.failed"; return $rc; }
     echo "$name $(( $(date +%s) - s ))" >> "$TIMES"
-    [ "$NODE" != 0 ] || [ "$1" != python ] || touch "$DONE/$name.done"
+    [ -z "$mark" ] || touch "$mark.done"
     [ "$LANES" -le 1 ] || echo "[$(date +%H:%M:%S)] $name: done in $(( $(date +%s) - s )) s"
 }
 # `lanes f g ...`: the shell functions f, g, ... (each a chain of steps) at once with LANES > 1, else one after
@@ -179,12 +188,7 @@ lanes seq_run oracles
 after() {
     local s
     if [ "$LANES" -le 1 ]; then return 0; fi
-    for s in "$@"; do
-        until [ -f "$DONE/$s.done" ]; do
-            [ ! -f "$DONE/$s.failed" ] || { echo "[$(date +%H:%M:%S)] $s failed: the steps after it stop"; return 1; }
-            sleep 2
-        done
-    done
+    for s in "$@"; do wait_mark "$s" 2; done
 }
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
@@ -248,7 +252,7 @@ eval_consolidators() {
         --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
         "$RUNS/mle" --router learned
 }
-# the two lanes, about 24 min each (tiny): the first trains SDFT and MLE, evaluates three oracles and, once the merges
+# the two lanes, about 27 min each (tiny, from the step times of the seed-0 run): the first trains SDFT and MLE, evaluates three oracles and, once the merges
 # and MMOPD are done, analyses; the second merges, distils with MMOPD, evaluates the stages and, once SDFT and MLE are
 # done, the consolidators
 lane_a() { analyze_seq; sdft; mle; eval_oracles; after "${MERGES[@]}" mmopd; analyze_all; }

@@ -766,12 +766,11 @@ def forgetting_law(runs: list, recs_by_seed: list, analyses: list, plot_path: st
 OWN_BAR, OWN_BAR_ALL, OOD_BAR, SE_BAR = 0.50, 0.35, 0.10, 0.02
 
 
-def arena_bars(recs_by_seed: list) -> list:
+def arena_bars(S: list) -> list:
     """Each domain's own stage on `test` (>= OWN_BAR in three domains, >= OWN_BAR_ALL in all four) and its oracle on
     `ood` (>= OOD_BAR), means over the seeds; the largest paired SE of a forgetting cell (own stage - Seq-Final on the
     three earlier domains) and of a consolidator - Seq-Final cell (every domain), over the seeds (<= SE_BAR).
-    -> report lines."""
-    S = [Scores.from_records(rs) for rs in recs_by_seed]
+    S: each seed's Scores. -> report lines."""
     own = {d: over_seeds([s.mean(OWN_STAGE[d], f"{d}/test") for s in S]) for d in DOMAINS}
     ood = {d: over_seeds([s.mean(f"oracle-{d}", f"{d}/ood") for s in S]) for d in DOMAINS}
     if all(m is None for m, _ in own.values()):
@@ -864,17 +863,14 @@ def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
             "# ACLArena report")):
         raise UsageError(f"--out {out} exists and is not a report this script wrote: not replacing it")
     all_runs = [runs, *seed_runs]
-    recs_by_seed = []
-    for r in all_runs:
-        recs_by_seed.append(load_records(os.path.join(r, "eval")))
-        if not recs_by_seed[-1]:
-            raise UsageError(f"no evaluation records in {os.path.join(r, 'eval')}: run evaluate.py (arena.sh step 8) "
-                             "first")
-    law_recs = [load_records(os.path.join(r, "eval")) for r in law_runs]
-    for r, rs in zip(law_runs, law_recs):
-        if not rs:
-            raise UsageError(f"--law-runs {r}: no evaluation records in {os.path.join(r, 'eval')} (arena.sh "
-                             "LAW_ABLATION=1 evaluates its stages)")
+    loaded = []
+    for r in [*all_runs, *law_runs]:
+        loaded.append(load_records(os.path.join(r, "eval")))
+        if not loaded[-1]:
+            raise UsageError((f"--law-runs {r}: " if r in law_runs else "") + f"no evaluation records in "
+                             f"{os.path.join(r, 'eval')}: run evaluate.py (arena.sh step 8; LAW_ABLATION=1 for the "
+                             "cold-start runs) first")
+    recs_by_seed, law_recs = loaded[:len(all_runs)], loaded[len(all_runs):]
     made_by = same_making([*all_runs, *law_runs], [*recs_by_seed, *law_recs])
     recs, eval_dir = recs_by_seed[0], os.path.join(runs, "eval")
     tasks = [sorted({b["n"] for x in rs.values() for k, b in x["benchmarks"].items() if k.endswith("/test")})
@@ -940,9 +936,10 @@ def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
     if shown:
         lines += ["## Plots" + (" (the first training seed's run)" if n > 1 else ""), ""] + \
             [f"![{t}]({rel(p)})" for t, p in shown] + [""]
-    checked = [check_findings(Scores.from_records(rs), analysis_of(r)) for r, rs in zip(all_runs, recs_by_seed)]
+    scores = [Scores.from_records(rs) for rs in recs_by_seed]
+    checked = [check_findings(S, analysis_of(r)) for r, S in zip(all_runs, scores)]
     lines += findings_section(checked, seeds)
-    bars = arena_bars(recs_by_seed)
+    bars = arena_bars(scores)
     lines += [""] + bars if bars else []
     lines += [""] + law if law else []
     sdft = sdft_grid(eval_dir)

@@ -381,7 +381,7 @@ def test_the_arenas_bars_are_measured_from_the_records(run, tmp_path):
              "seq-4-if": (0.1, 0.1, 0.1, 0.6), "oracle-math": (0.6, 0, 0, 0), "sdft": (0.4, 0.4, 0.2, 0.5)}
     for name, r in rates.items():
         full_record(ev / f"{name}.json", dict(zip(ALL, r)), n=2500)
-    lines = "\n".join(report.arena_bars([report.load_records(str(ev))]))
+    lines = "\n".join(report.arena_bars([report.Scores.from_records(report.load_records(str(ev)))]))
     assert "| 0.600 | 0.600 | 0.300 | 0.600 | missed (3 of 4 ≥ 0.50) |" in lines
     assert "| its oracle on `ood` ≥ 0.10 | 0.060 | – | – | – | math missed, search –" in lines
     assert "0 of 3 cells above 0.02 (met)" in lines and "0 of 4 cells above 0.02 (met)" in lines
