@@ -48,7 +48,7 @@ EVAL_ARGS=${EVAL_ARGS:-}
 N_EVAL_DEFAULT=test=800,ood=200
 N_MIXED_DEFAULT=test=300,ood=100  # the mixed-domain tasks (step 8's last table)
 # each script's reduction under QUICK=1 (empty otherwise)
-Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE=""
+Q_SEQ="" Q_MERGE="" Q_SDFT="" Q_MMOPD="" Q_MLE="" Q_ANALYZE="" Q_CONT=""
 if [ "$QUICK" = 1 ]; then
     [ "$ARENA" = tiny ] || { echo "QUICK=1 is for the tiny arena" >&2; exit 2; }
     # the cold starts large enough that every oracle speaks the protocol (SDFT's filters need a success per domain)
@@ -59,6 +59,7 @@ if [ "$QUICK" = 1 ]; then
     Q_MMOPD="--steps 2 --prompts 2 --group 2"
     Q_MLE="--steps 1 --prompts 2 --group 2 --router-prompts 16 --router-steps 20"
     Q_ANALYZE="--n 8 --kl-n 4"
+    Q_CONT="--refit-steps 1 --refresh-epochs 1"
     N_EVAL_DEFAULT=test=10,ood=5 N_MIXED_DEFAULT=test=10,ood=5
 fi
 N_EVAL=${N_EVAL:-$N_EVAL_DEFAULT} N_MIXED=${N_MIXED:-$N_MIXED_DEFAULT}
@@ -101,11 +102,17 @@ LANES=${LANES:-2}
 PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps running in lanes
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
-STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned evaluate-runs
-       evaluate-oracles analyze evaluate-consolidators evaluate-mixed)
+STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned
+       evaluate-mle-request evaluate-runs evaluate-oracles analyze evaluate-consolidators evaluate-mixed)
 if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
     for c in self none; do STEPS+=("law-$c" "law-$c-analyze" "law-$c-evaluate"); done
 fi
+# ORDERS=1 (tiny, step 8e): the sequential run under three more curricula, tag:order
+ORDER_LIST=(rev:if,ecommerce,search,math efirst:ecommerce,math,search,if elast:math,search,if,ecommerce)
+if [ "${ORDERS:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
+    for o in "${ORDER_LIST[@]}"; do STEPS+=("order-${o%%:*}" "order-${o%%:*}-evaluate"); done
+fi
+[ "${MLE_CONTINUAL:-0}" != 1 ] || [ "$ARENA" != tiny ] || STEPS+=(mle-continual evaluate-mle-continual)
 for ((i = 1; i < ${SEEDS:-1}; i++)); do STEPS+=("seed-$i"); done
 # `wait_mark STEP SECONDS`: wait, polling every SECONDS, until node 0 has marked STEP done; stop (status 1) when it
 # marked it failed or its arena.sh ended early. Node 0 killed outright leaves no mark: a line every ~10 min says what
@@ -221,11 +228,16 @@ mmopd() { t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS; }
 # 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
 #    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)
-#    and MLE routed by its learned router evaluated as 8a does (eval/mle-learned.json, ~3.5 min)
+#    and MLE routed by each of its learned routers evaluated as 8a does: on the prompt as the policy sees it
+#    (eval/mle-learned.json, ~3.5 min) and on the user's request alone, without tag, system prompt or tools
+#    (eval/mle-request.json, ~3.5 min; issue 42's routing without tags)
 mle() {
     t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $Q_MLE $TRAIN_ARGS
-    t evaluate-mle-learned python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
-        $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router learned
+    local r
+    for r in learned request; do
+        t "evaluate-mle-$r" python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
+            $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router "$r"
+    done
 }
 # 7. the analysis again with the consolidators, and the forgetting law: every move's KL(before || after) per agent
 #    token on each domain's test prompts (--kl-n 50 each; a stage's cold start and RL apart) -> runs/tiny/analysis/
@@ -248,9 +260,13 @@ eval_oracles() {
 eval_consolidators() {
     t evaluate-consolidators python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
         $EVAL_ARGS $EVAL_DEVICES --out-dir "$RUNS/eval" --ckpt "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle"
-    [ "$ARENA" != tiny ] || t evaluate-mixed python evaluate.py --resume --suite tiny --mixed only --n "$N_MIXED" \
-        --out-dir "$RUNS/eval-mixed" --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" \
-        "$RUNS/mle" --router learned
+    [ "$ARENA" != tiny ] || t evaluate-mixed eval_mixed
+}
+eval_mixed() {   # (MLE routed by each learned router: the mixed tasks carry no tag)
+    python evaluate.py --resume --suite tiny --mixed only --n "$N_MIXED" --out-dir "$RUNS/eval-mixed" \
+        --ckpt "$RUNS/base" "$RUNS/seq/4-if" "$RUNS"/merge/* "$RUNS/sdft" "$RUNS/mmopd" "$RUNS/mle" --router learned &&
+    python evaluate.py --resume --suite tiny --mixed only --n "$N_MIXED" --out-dir "$RUNS/eval-mixed" \
+        --ckpt "$RUNS/mle" --router request
 }
 # the two lanes, about 27 min each (tiny, from the step times of the seed-0 run): the first trains SDFT and MLE, evaluates three oracles and, once the merges
 # and MMOPD are done, analyses; the second merges, distils with MMOPD, evaluates the stages and, once SDFT and MLE are
@@ -298,6 +314,45 @@ if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
         LAW_RUNS+=("$R")
     done
 fi
+# 8e. ORDERS=1 (opt-in, tiny; issue 42): the sequential run under three more curricula (the study's reversed, e-commerce
+#    first, e-commerce last) with the same budgets and seed -> $RUNS-order-<tag>; a stage the study's run finished after
+#    the same stages (math, search for e-commerce last) is copied from it, not retrained (train_seq.py --reuse); each
+#    order's stages evaluated on the `test` tasks of N_EVAL; the report's stage-order section compares them (~3 min a
+#    stage, ~1.5 min a checkpoint's evaluation: ~30 min a seed in two lanes)
+ORDER_RUNS=()
+order_train() {   # order_train TAG: train_seq.py under ORDER_LIST's curriculum of that tag
+    local o; for o in "${ORDER_LIST[@]}"; do [ "${o%%:*}" = "$1" ] && break; done
+    t "order-$1" python train_seq.py --preset tiny $Q_SEQ --runs "$RUNS-order-$1" --curriculum "${o#*:}" --reuse "$RUNS"
+}
+order_eval() {
+    t "order-$1-evaluate" python evaluate.py --resume --suite tiny --backend hf --splits test --n "$N_EVAL" \
+        --out-dir "$RUNS-order-$1/eval" --ckpt "$RUNS-order-$1"/seq/[0-9]-{math,search,ecommerce,if}
+}
+# two lanes of ~the same length: three new stages each for rev and efirst, two for elast
+order_a() { order_train rev; order_eval rev; after order-elast; order_eval elast; }
+order_b() { order_train efirst; order_train elast; order_eval efirst; }
+if [ "${ORDERS:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
+    if [ "$LANES" -gt 1 ]; then lanes order_a order_b
+    else order_train rev; order_eval rev; order_b; order_eval elast; fi
+    for o in "${ORDER_LIST[@]}"; do ORDER_RUNS+=("$RUNS-order-${o%%:*}"); done
+fi
+# 8f. MLE_CONTINUAL=1 (opt-in, tiny; issue 42): MLE as a continual learner on SDFT's pools (mle.py --continual: per
+#    arriving domain a backbone refresh by SDFT on the pools seen so far, a new expert, and the earlier experts kept
+#    or re-fitted) -> runs/tiny/mle-continual/; each step's two MLE directories evaluated on the `test` tasks of the
+#    domains seen (eval/mle-continual-<k>-<domain>[-refit].json); the report's continual section and cost table
+if [ "${MLE_CONTINUAL:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
+    t mle-continual python mle.py --preset tiny --continual $Q_MLE $Q_CONT
+    cont_eval() {
+        local k=0 d seen="" c=()
+        for d in math search ecommerce if; do
+            k=$((k + 1)); seen=${seen:+$seen,}$d
+            c=("$RUNS/mle-continual/$k-$d"); [ $k = 1 ] || c+=("$RUNS/mle-continual/$k-$d-refit")
+            python evaluate.py --resume --suite tiny --backend hf --splits test --n "$N_EVAL" --domains "$seen" \
+                --out-dir "$RUNS/eval" --ckpt "${c[@]}" || return 1
+        done
+    }
+    t evaluate-mle-continual cont_eval
+fi
 # 9. SEEDS > 1: the whole study (steps 2-8) again with training seeds 1 .. SEEDS-1 from the same base, each in
 #    $RUNS-seed<s> with its own report; each is one step here (~23 min a seed, tiny), and the report below gives
 #    every number as mean ± std over the seeds
@@ -311,6 +366,9 @@ for s in $(seq 1 $((SEEDS - 1))); do
     fi
     t "seed-$s" env SEEDS=1 SEED="$s" RUNS="$R" BASE="$CHILD_BASE" LAW_ABLATION=0 bash ./arena.sh
     SEED_RUNS+=("$R")
+    if [ "${ORDERS:-0}" = 1 ] && [ "$ARENA" = tiny ]; then   # (each seed ran its own orders: ORDERS is inherited)
+        for o in "${ORDER_LIST[@]}"; do ORDER_RUNS+=("$R-order-${o%%:*}"); done
+    fi
 done
 # the time table of this run (the steps after the last "started" line; with lanes, steps overlap, so the total is the
 # wall time from the start, beside the sum of the steps); then the report: node 0's alone
@@ -321,4 +379,5 @@ awk -v now="$(date +%s)" '/^# arena.sh started/ {n = 0; delete rows; head = $0; 
     printf "%-24s %6d s (%.1f min)\n", "total (wall)", now - start, (now - start) / 60}' "$TIMES" | tee "$RUNS/arena_times.md"
 # 10. the report: the study's table, the normalised table, the accuracy matrices, the plots, the ten findings
 #    checked, and the time table above -> runs/tiny/report.md (seconds)
-python report.py --runs "$RUNS" ${SEED_RUNS[@]+--seed-runs "${SEED_RUNS[@]}"} ${LAW_RUNS[@]+--law-runs "${LAW_RUNS[@]}"}
+python report.py --runs "$RUNS" ${SEED_RUNS[@]+--seed-runs "${SEED_RUNS[@]}"} ${LAW_RUNS[@]+--law-runs "${LAW_RUNS[@]}"} \
+    ${ORDER_RUNS[@]+--orders "${ORDER_RUNS[@]}"}

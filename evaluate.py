@@ -100,8 +100,9 @@ SUITES = ("tiny", "full")
 SUITE_DEFAULTS = {"tiny": {"n": 300, "max_tokens": MAX_TOKENS, "max_turn_tokens": MAX_TURN_TOKENS},
                   "full": {"n": None, "max_tokens": 32768, "max_turn_tokens": 16384}}
 TAU_SPLIT = {"tau_retail": "test", "tau_mock": "base", "tau_telecom": "base"}   # tau3's base splits: 10 and 114 tasks
-# the gold log-likelihood's tasks per split (--gold-n): the first 300, whatever --n is (a split's first tasks are the
-# same at any n); deterministic, so more tasks narrow nothing that matters while costing as much as the sampling
+# the gold log-likelihood's tasks per split (--gold-n): the first 300 of the split's tasks at this --n (which 300 may
+# depend on n: search draws its questions anew past the ~430 of a split); deterministic, so more tasks narrow nothing
+# that matters while costing as much as the sampling
 GOLD_N = 300
 DEFAULT_K = {"aime26": 16}  # AIME is reported as avg@16; every other benchmark samples once per task
 # Sampling temperature per domain. Full: the released evaluation's math 0.6 and tau 0.7; it sets none for search and
@@ -204,7 +205,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
     per_task: each task's mean reward over seeds and samples, in task_ids' order: two checkpoints evaluated with
         the same tasks and seeds are compared task by task (paired_difference).
     gold: also score the model teacher-forced on the scripted expert's episodes of the same tasks (gold_likelihood;
-        True: every task, an int N: the first N of them (GOLD_N: a split's first tasks are the same whatever n is),
+        True: every task, an int N: the first N of them (GOLD_N; which ones may depend on n: search past its questions),
         0/False: none; tasks with an expert only, and only with the whole model in this process: an FSDP-sharded policy, which
         train_seq's in-run evaluation hands over under --backend vllm on rank 0 alone, would wait for the other
         ranks forever); deterministic, seconds.
@@ -233,7 +234,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                 temp = temperature.get(bench_domain(name), 1.0) if isinstance(temperature, dict) else temperature
                 per_seed, per_seed_metrics, lengths, t0 = [], [], [], time.time()
                 per_task = [0.0] * len(items)
-                adapters = [route(env, t) for t in items] if route else None
+                adapters = [route(env, t) for t in items] if route else None   # an expert's dir ends in its domain
                 for s in seed_list:
                     t1 = time.time()
                     eps = rollout(backend, tok, [(env, t) for t in items], kk, temp, max_tokens=max_tokens,
@@ -256,6 +257,8 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "metrics": {m: statistics.mean(ms.get(m, 0.0) for ms in per_seed_metrics) for m in keys},
                     "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1),
                     "task_ids": [t.id for t in items], "per_task": per_task}
+                if adapters:   # MLE: which expert served each task (a blend: its directory's name), for router accuracy
+                    results[name]["routed_to"] = [os.path.basename(x.rstrip(os.sep)) for x in adapters]
                 if gold:
                     ctx = getattr(model.config, "max_position_embeddings", None) or max_tokens   # the expert is never cut
                     m = len(items) if gold is True else int(gold)
@@ -575,8 +578,9 @@ def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", default=None, help="checkpoint directories (Hugging Face format, or an MLE "
                                                               "directory: mle.py's backbone + experts + router)")
-    p.add_argument("--router", default="tag", choices=["tag", "learned"], help="MLE checkpoints: the expert per task "
-                   "from its environment tag, or from mle.py's learned router (saved as <name>-learned)")
+    p.add_argument("--router", default="tag", choices=["tag", "learned", "request"], help="MLE checkpoints: the expert "
+                   "per task from its environment tag, from mle.py's learned router (saved as <name>-learned), or from "
+                   "its router on the user's request alone, no tag, system prompt or tools (<name>-request)")
     p.add_argument("--router-mix", action="store_true", help="MLE with --router learned: each task served by a blend "
                    "of the experts weighted by the router's probabilities (saved as <name>-learned-mix)")
     p.add_argument("--resume", action="store_true", help="keep a checkpoint's saved record instead of evaluating it "
@@ -725,14 +729,15 @@ def resolve(a) -> dict:
     if a.mixed and (a.suite != "tiny" or not set(splits) & {"test", "ood"}):
         raise UsageError("--mixed adds the tiny worlds' mixed-domain tasks: the tiny suite, with --splits test or ood")
     if a.mixed and a.router == "tag" and any(routing.is_mle(path) for path, *_ in ckpts):
-        raise UsageError("--mixed tasks carry no domain tag: evaluate an MLE checkpoint on them with --router learned")
+        raise UsageError("--mixed tasks carry no domain tag: evaluate an MLE checkpoint on them with --router learned "
+                         "or request")
     devices = parse_devices(a.devices, len(ckpts)) if a.devices and not a.worker else []
     if a.harness == "lm-eval" and a.suite != "full":
         raise UsageError("--harness lm-eval scores the full suite's non-agentic benchmarks: add --suite full")
     names = benchmarks or [b for b, d in FULL_BENCHMARKS.items() if d in domains]
     lm_eval_tasks = check_lm_eval(names, ckpts) if a.harness == "lm-eval" else {}
     tasks = load_benchmarks(a.suite, domains, splits, a.n, env_opts, sources, benchmarks, mixed=a.mixed)
-    if a.router_mix and a.router != "learned":
+    if a.router_mix and a.router == "tag":
         raise UsageError("--router-mix blends the experts by the learned router's probabilities: add --router learned")
     lora = max([routing.lora_rank_of(path, a.router_mix) for path, *_ in ckpts if routing.is_mle(path)], default=0)
     return {"domains": domains, "splits": splits, "sources": sources, "env_opts": env_opts, "tasks": tasks,
@@ -771,7 +776,7 @@ def main():
                     batch=a.batch, max_tokens=a.max_tokens or defaults["max_tokens"],
                     max_turn_tokens=a.max_turn_tokens or defaults["max_turn_tokens"], sources=r["sources"],
                     env_opts=r["env_opts"], threads=torch.get_num_threads(), backend=a.backend,
-                    gold=(a.gold_n or True) if a.gold else False,
+                    gold=gold_setting(a.gold, a.gold_n, r.get("tasks", {})),
                     dtype="bf16" if a.dtype == "bf16" or (a.dtype == "auto" and torch.cuda.is_available()) else "fp32",
                     data=data_identity(r["sources"], r["env_opts"]))
     print0(f"evaluate: suite {a.suite}, {len(r['ckpts'])} checkpoint(s), settings {json.dumps(settings)}")
@@ -783,6 +788,15 @@ def main():
     if a.worker:   # the launcher prints the tables once every worker has ended
         return
     print_tables(a, r, settings, named)
+
+
+def gold_setting(gold: bool, gold_n: int, tasks: dict):
+    """The record's `gold` setting, one value per computation: False (--no-gold), True (every task of every split:
+    --gold-n 0, or an N no split reaches), else N (each split's first N). So a run at --n 200 records the same
+    setting under any --gold-n >= 200, and --resume keeps its records."""
+    if not gold:
+        return False
+    return True if not gold_n or all(len(items) <= gold_n for _, items in tasks.values()) else gold_n
 
 
 def evaluate_all(a, r, settings) -> dict:

@@ -51,6 +51,8 @@ from acl.step import (
     check_shared_flags,
     check_user_errors,
     clipped_surrogate,
+    cost_now,
+    cost_since,
     mix_quota,
     parse_mix,
     teacher_scores,
@@ -285,7 +287,7 @@ def main(argv=None):
         common.print0(f"[mmopd] {a.out} finished before with this recipe, nothing to do")
         return
     device = common.start_run(a, f"mmopd: student {a.student}, teachers {a.teacher_paths} -> {a.out}", [a.out])
-    t0 = time.time()
+    t0, cost0 = time.time(), cost_now()
     common.seed_all(a.seed)
     policy, tok = common.load_policy(a.student, common.shard_device(device), a.attn, a.grad_ckpt)
     policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
@@ -385,7 +387,8 @@ def main(argv=None):
         sys.exit(f"error: [mmopd] {e}")
     meta = dict(method="mmopd", stage="mmopd", parent=os.path.abspath(a.student), curriculum_position=None,
                 step=a.steps, seed=a.seed, recipe=rec, teachers=rec["teachers"], tokenizer=a.tokenizer,
-                history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1))
+                history=history, config={k: v for k, v in vars(a).items()}, seconds=round(time.time() - t0, 1),
+                cost=cost_since(cost0))
     common.save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
     common.teardown()
 

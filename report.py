@@ -2,6 +2,7 @@
 
     python report.py                                   # runs/tiny -> runs/tiny/report.md (seconds)
     python report.py --runs runs/tiny --out docs/tiny-report.md
+    python report.py --orders runs/tiny-order-rev runs/tiny-order-efirst runs/tiny-order-elast   # + the stage order
     python report.py --balance --names seq-4-if sdft mmopd mle     # finding 6 alone, as a table
     python report.py --mmopd-kl runs/tiny/mmopd runs/tiny/mmopd-ablation/* --out runs/tiny/eval/mmopd-kl.png
 
@@ -52,7 +53,7 @@ ROWS = {"Base": "base", "Seq-Math": "seq-1-math", "Seq-Search": "seq-2-search", 
         "Seq-IF": "seq-4-if", "Oracle-Math": "oracle-math", "Oracle-Search": "oracle-search",
         "Oracle-Ecom": "oracle-ecommerce", "Oracle-IF": "oracle-if", "MM-uniform": "merge-uniform",
         "MM-grid": "merge-grid", "MM-balanced": "merge-balanced", "SDFT": "sdft", "MMOPD": "mmopd", "MLE-tag": "mle",
-        "MLE-learned": "mle-learned"}
+        "MLE-learned": "mle-learned", "MLE-request": "mle-request"}
 SINGLE = ("seq-1-math", "seq-2-search", "seq-3-ecommerce", "seq-4-if", "oracle-math", "oracle-search",
           "oracle-ecommerce", "oracle-if")   # the single checkpoints: each domain's best of them normalises it
 CONSOLIDATORS = ("merge-uniform", "merge-grid", "merge-balanced", "sdft", "mmopd", "mle")
@@ -804,6 +805,267 @@ def arena_bars(S: list) -> list:
     return lines + [""]
 
 
+# ----------------------------------------------------------------------------- beyond the study: the stage order
+#
+# Issue 42's question, "does the stage order or the domain decide what is forgotten?", with its criterion fixed here
+# before the runs it judges: over the cells (order, domain) of every domain not trained last, the seed-mean forgetting
+# (own stage − the order's final checkpoint, on the domain's `test` tasks) is fitted by the domain alone and by the
+# position alone (one level per domain, per position); the factor whose adjusted R² is larger decides, and neither
+# does when both adjusted R² are <= 0. Both are printed, with the cells.
+
+def seq_stages(run: str) -> list:
+    """A sequential run's finished stages in training order, [(record name, domain)], from its seq/<i>-<domain>/."""
+    found = []
+    for name in os.listdir(os.path.join(run, "seq")) if os.path.isdir(os.path.join(run, "seq")) else []:
+        i, _, d = name.partition("-")
+        if i.isdigit() and d in DOMAINS and os.path.isfile(os.path.join(run, "seq", name, "acl_meta.json")):
+            found.append((int(i), d))
+    return [(f"seq-{i}-{d}", d) for i, d in sorted(found)]
+
+
+def adjusted_r2(groups: list, ys: list) -> float | None:
+    """One-way fit of ys by the levels in groups (each y predicted by its level's mean): the adjusted R², which does
+    not reward a factor for having more levels; None when it cannot be computed (too few cells, no variance)."""
+    n, levels = len(ys), sorted(set(groups))
+    total = sum((y - statistics.mean(ys)) ** 2 for y in ys) if n else 0.0
+    if n - len(levels) < 1 or total == 0:
+        return None
+    means = {g: statistics.mean(y for g2, y in zip(groups, ys) if g2 == g) for g in levels}
+    within = sum((y - means[g]) ** 2 for g, y in zip(groups, ys))
+    return 1 - (within / (n - len(levels))) / (total / (n - 1))
+
+
+def stage_orders(runs: list) -> list:
+    """Issue 42: the sequential pipeline under several curricula (arena.sh ORDERS=1; train_seq.py --reuse shares the
+    common prefixes), each with one or more training seeds. Per order and domain: its forgetting (the stage that
+    learned it − the order's final checkpoint, paired over the `test` tasks) and its final score; then the criterion
+    above. runs: [(stages as seq_stages gives them, records)] of every sequential run, the study's included. -> lines."""
+    by = {}
+    for stages, recs in runs:
+        by.setdefault(tuple(d for _, d in stages), []).append((Scores.from_records(recs), stages))
+    if len(by) < 2:
+        return []
+    study = tuple(DOMAINS)
+    orders = sorted(by, key=lambda o: (o != study, o))
+    cells, rows_f, rows_s = [], [], []
+    for order in orders:
+        seeds = by[order]
+        f_cols, s_cols = [], []
+        for d in DOMAINS:
+            if d not in order:
+                f_cols.append("–")
+                s_cols.append("–")
+                continue
+            pos = order.index(d) + 1
+            own, final = f"seq-{pos}-{d}", f"seq-{len(order)}-{order[-1]}"
+            forg = [S.diff(final, own, f"{d}/test") for S, _ in seeds]
+            score = [(S.mean(final, f"{d}/test"), S.se(final, f"{d}/test")) for S, _ in seeds]
+            s_cols.append(spread_cell(score))
+            if pos == len(order):
+                f_cols.append(f"(last, {pos})")
+                continue
+            f_cols.append(spread_cell(forg) + f" ({pos})")
+            if all(x[0] is not None for x in forg):
+                cells.append((d, pos, statistics.mean(x[0] for x in forg)))
+        label = " → ".join(order) + (" (the study's)" if order == study else "") + f", {len(seeds)} seed(s)"
+        rows_f.append(f"| {label} | " + " | ".join(f_cols) + " |")
+        rows_s.append(f"| {label} | " + " | ".join(s_cols) + " |")
+    head = "| order | " + " | ".join(DOMAINS) + " |\n" + "|---" * (len(DOMAINS) + 1) + "|"
+    r_dom = adjusted_r2([c[0] for c in cells], [c[2] for c in cells])
+    r_pos = adjusted_r2([c[1] for c in cells], [c[2] for c in cells])
+    show = lambda r: "–" if r is None else f"{r:.2f}"   # noqa: E731
+    if r_dom is None or r_pos is None:
+        verdict = "not measurable here"
+    elif max(r_dom, r_pos) <= 0:
+        verdict = "neither decides"
+    else:
+        verdict = "the domain decides" if r_dom > r_pos else "the position decides"
+    return ["## Stage order (beyond the study)", "",
+            "The sequential pipeline under several curricula, the same budgets and seeds (arena.sh ORDERS=1; a shared "
+            "prefix is one run, train_seq.py --reuse). Each domain's forgetting: the stage that learned it − the "
+            "order's final checkpoint on its `test` tasks, with its position in brackets; mean ± the paired SE over "
+            "tasks (one seed) or the std over seeds [the paired SE of the mean].", "", head, *rows_f, "",
+            "Each domain's score at the end of each order (the order's Seq-Final):", "", head, *rows_s, "",
+            f"Does the order or the domain decide what is forgotten? Over the {len(cells)} cells of a domain not "
+            f"trained last, the seed-mean forgetting fitted by the domain alone: adjusted R² {show(r_dom)}; by the "
+            f"position alone: {show(r_pos)}. Verdict (criterion fixed in report.py before the runs): **{verdict}**.", ""]
+
+
+def continual_records(run: str) -> dict:
+    """evaluate.py's records of mle.py --continual's MLE directories in a run (eval/mle-continual-<k>-<domain>[-refit]
+    .json, arena.sh MLE_CONTINUAL=1): {record name: record}."""
+    ev = os.path.join(run, "eval")
+    names = sorted(f[:-5] for f in os.listdir(ev) if f.startswith("mle-continual-") and f.endswith(".json")) \
+        if os.path.isdir(ev) else []
+    return load_records(ev, names) if names else {}
+
+
+def continual_mle(recs_by_seed: list, cont_by_seed: list) -> list:
+    """Issue 42, MLE as a continual learner: per arriving domain k >= 2 and earlier domain j, j's score with its old
+    expert before the backbone refresh (step k-1), after it (step k, the expert kept: adapter drift, paired) and after
+    the brief re-fit (step k's -refit, paired against kept); then the last step beside one-shot MLE. -> lines."""
+    if not any(cont_by_seed):
+        return []
+    rows, order = [], DOMAINS
+    for k in range(2, len(order) + 1):
+        before, kept = f"mle-continual-{k - 1}-{order[k - 2]}", f"mle-continual-{k}-{order[k - 1]}"
+        for j in order[: k - 1]:
+            S = [Scores.from_records(c) for c in cont_by_seed if c]
+            col = f"{j}/test"
+            rows.append(f"| {order[k - 1]} arrives | {j} | {spread_cell([(s.mean(before, col), s.se(before, col)) for s in S])} | "
+                        f"{spread_cell([s.diff(before, kept, col) for s in S])} | "
+                        f"{spread_cell([s.diff(kept, kept + '-refit', col) for s in S])} |")
+    last = f"mle-continual-{len(order)}-{order[-1]}"
+    S = [Scores.from_records(dict(c, **{k: v for k, v in r.items() if k == "mle"})) for c, r in
+         zip(cont_by_seed, recs_by_seed) if c]
+    final = ["| " + name + " | " + " | ".join(spread_cell([s.diff("mle", n, f"{d}/test") for s in S]) for d in DOMAINS)
+             + " |" for name, n in (("continual, experts kept", last), ("continual, re-fitted", last + "-refit"))]
+    return ["## MLE as a continual learner (beyond the study)", "",
+            "mle.py --continual: as each domain arrives the backbone is refreshed by SDFT on the pools seen so far and "
+            "a new expert is trained on it; the earlier experts are kept as they were or re-fitted briefly. An "
+            "earlier domain's `test` score with its old expert before the refresh, the change the refresh makes "
+            "(adapter drift), and what the re-fit changes after it (paired over the tasks; several seeds: mean ± std "
+            "[SE of the mean]):", "",
+            "| step | earlier domain | before the refresh | refresh (kept − before) | re-fit (re-fitted − kept) |",
+            "|---|---|---|---|---|", *rows, "",
+            "The last step against one-shot MLE (the same four pools, each expert trained once on the final backbone); "
+            "each domain's paired difference continual − one-shot:", "",
+            "| continual MLE | " + " | ".join(DOMAINS) + " |", "|---" * (len(DOMAINS) + 1) + "|", *final, ""]
+
+
+ROUTERS = {"mle-learned": "learned (the prompt as the policy sees it)",
+           "mle-request": "request (the user's request alone: no tag, system prompt or tools)"}
+
+
+def routing_section(runs: list, recs_by_seed: list) -> list:
+    """Issue 42, routing without tags: each learned router's accuracy per domain and split (the share of a domain's
+    tasks its expert served: the records' routed_to), what a wrong route costs (on the misrouted tasks, the tag-routed
+    MLE's score − the routed one's, paired), the routed MLE − the tag-routed one over all tasks, and where the
+    mixed-domain tasks went (eval-mixed/). Several seeds: mean ± std. -> report lines."""
+    routers = [n for n in ROUTERS if any(n in rs for rs in recs_by_seed)]
+    if not routers or not any("mle" in rs for rs in recs_by_seed):
+        return []
+    rows = []
+    for name in routers:
+        for d in DOMAINS:
+            for split in ("test", "ood"):
+                col, accs, costs, overall, n_wrong = f"{d}/{split}", [], [], [], []
+                for rs in recs_by_seed:
+                    b = ((rs.get(name) or {}).get("benchmarks") or {}).get(col) or {}
+                    tag = ((rs.get("mle") or {}).get("benchmarks") or {}).get(col) or {}
+                    if not b.get("routed_to") or tag.get("task_ids") != b.get("task_ids"):
+                        continue
+                    wrong = [i for i, r in enumerate(b["routed_to"]) if r != d]
+                    accs.append((1 - len(wrong) / len(b["routed_to"]), None))
+                    n_wrong.append(len(wrong))
+                    diffs = [tag["per_task"][i] - b["per_task"][i] for i in wrong]
+                    costs.append((statistics.mean(diffs), _se(diffs)) if diffs else (None, None))
+                    all_d = [y - x for x, y in zip(tag["per_task"], b["per_task"])]
+                    overall.append((statistics.mean(all_d), _se(all_d)))
+                if not accs:
+                    continue
+                got = [c for c in costs if c[0] is not None]
+                cost = spread_cell(got) + ("" if len(got) == len(costs) else f" ({len(got)} seeds)") if got else \
+                    "– (none misrouted)"
+                rows.append(f"| {name.removeprefix('mle-')} | {col} | {spread_cell(accs)} | "
+                            f"{statistics.mean(n_wrong):.0f} | {cost} | {spread_cell(overall)} |")
+    mixed = []
+    for name in routers:
+        shares = {}
+        for r in runs:
+            path = os.path.join(r, "eval-mixed", f"{name}.json")
+            for col, b in (load_results(path).get("benchmarks") or {}).items() if os.path.isfile(path) else []:
+                for x in b.get("routed_to") or []:
+                    shares.setdefault(col, {}).setdefault(x, 0)
+                    shares[col][x] += 1
+        for col, c in sorted(shares.items()):
+            total = sum(c.values())
+            mixed.append(f"- {name.removeprefix('mle-')} on {col}: " + ", ".join(
+                f"{x} {v / total:.0%}" for x, v in sorted(c.items(), key=lambda kv: -kv[1])))
+    if not rows:
+        return []   # records from before routed_to was recorded
+    return ["## Routing without tags (beyond the study)", "",
+            "MLE's learned routers: " + "; ".join(f"{n.removeprefix('mle-')}: {w}" for n, w in ROUTERS.items()) +
+            ". Per domain and split: the share of its tasks its own expert served, how many went elsewhere, what a "
+            "wrong route cost on those tasks (the tag-routed MLE's score there − the routed one's, paired), and the "
+            "routed MLE − the tag-routed one over all the split's tasks (paired):", "",
+            "| router | split | routed to its expert | misrouted (tasks) | cost of a wrong route | routed − tag |",
+            "|---|---|---|---|---|---|", *rows, "",
+            *(["The mixed-domain tasks (two domains in one episode, no single right expert) went to:", "", *mixed, ""]
+              if mixed else [])]
+
+
+COST_KEYS = ("env_calls", "sampled_tokens", "trained_tokens", "seconds")
+
+
+def method_costs(run: str) -> dict:
+    """Issue 42's cost table for one run: what adding the curriculum's last domain costs under each method, summed
+    from the `cost` each piece recorded (acl.step.cost_since; pieces made before costs were recorded have none).
+    -> {method: ({key: total} or None when a piece is missing, the pieces' names)}."""
+    last = DOMAINS[-1]
+
+    def cost(path, *keys):   # the cost recorded in a checkpoint's acl_meta.json (or a pool.json's funnel)
+        meta = read_meta(path) if not keys else json.load(open(path)) if os.path.isfile(path) else {}
+        for k in keys:
+            meta = (meta or {}).get(k) or {}
+        return (meta or {}).get("cost")
+
+    new_stage = cost(os.path.join(run, "seq", f"{len(DOMAINS)}-{last}"))
+    oracle = cost(os.path.join(run, "oracle", last))
+    pool = cost(os.path.join(run, "sdft-pool", "pool.json"), "funnel", last)
+    experts = [cost(os.path.join(run, "mle", "experts", d)) for d in DOMAINS]
+    cont = os.path.join(run, "mle-continual")
+    step = f"{len(DOMAINS)}-{last}"
+    refits = [cost(os.path.join(cont, step + "-refit", "experts", d)) for d in DOMAINS[:-1]]
+    pieces = {
+        "sequential RL": [("its stage", new_stage)],
+        "SDFT from scratch": [("its oracle", oracle), ("its pool", pool), ("SDFT on every pool", cost(os.path.join(run, "sdft")))],
+        "MMOPD": [("its stage (the new teacher)", new_stage), ("the distillation", cost(os.path.join(run, "mmopd")))],
+        "MLE one-shot": [("its oracle", oracle), ("its pool", pool), ("the SDFT backbone", cost(os.path.join(run, "sdft"))),
+                         *[(f"the {d} expert", c) for d, c in zip(DOMAINS, experts)]],
+        "MLE continual": [("its oracle", oracle), ("its pool", pool),
+                          ("the backbone refresh", cost(os.path.join(cont, "backbone", step))),
+                          ("its expert", cost(os.path.join(cont, step, "experts", last)))],
+        "MLE continual + re-fits": [("MLE continual", None), *[(f"re-fit {d}", c) for d, c in zip(DOMAINS, refits)]],
+    }
+    out = {}
+    for m, parts in pieces.items():
+        parts = [(n, out["MLE continual"][0]) if n == "MLE continual" else (n, c) for n, c in parts]
+        ok = all(c is not None for _, c in parts)
+        out[m] = ({k: sum(c[k] for _, c in parts) for k in COST_KEYS} if ok else None, [n for n, _ in parts])
+    return out
+
+
+def cost_table(runs: list) -> list:
+    """The cost of a new domain per method (method_costs), mean over the runs (training seeds). -> report lines."""
+    per_run = [method_costs(r) for r in runs]
+    if not any(c for pr in per_run for c, _ in pr.values()):
+        return []
+    rows = []
+    for m, (_, parts) in per_run[0].items():
+        got = [pr[m][0] for pr in per_run if pr[m][0]]
+        cells = [f"{statistics.mean(g[k] for g in got):,.0f}" if got else "–" for k in COST_KEYS]
+        rows.append(f"| {m} | " + " | ".join(cells) + f" | {' + '.join(parts)} |")
+    return ["## The cost of a new domain (beyond the study)", "",
+            f"What adding the last domain ({DOMAINS[-1]}) to the other three costs under each method, from the cost "
+            f"each piece recorded (acl.step.cost_since: episodes' environment calls, policy-sampled tokens, tokens "
+            f"through a training pass, wall seconds on this machine), mean over the {len(runs)} run(s) that have it; "
+            "– where a piece was not run or predates the recording.", "",
+            "| method | env calls | sampled tokens | trained tokens | seconds | made of |", "|---|---|---|---|---|---|",
+            *rows, ""]
+
+
+def spread_cell(values: list) -> str:
+    """One cell over seeds from [(mean, SE)] per seed: one seed 'm ± SE'; several 'mean ± std [SE of the mean]'."""
+    if not values or any(m is None for m, _ in values):
+        return "–"
+    if len(values) == 1:
+        return fmt(*values[0])
+    ms, ses = [m for m, _ in values], [se for _, se in values]
+    pooled = None if any(x is None for x in ses) else math.sqrt(sum(x * x for x in ses)) / len(ses)
+    return f"{fmt(statistics.mean(ms), statistics.stdev(ms))}" + ("" if pooled is None else f" [{pooled:.3f}]")
+
+
 def sdft_grid(eval_dir: str) -> str | None:
     """The SDFT ablation grid (arena.sh SDFT_GRID=1: eval/sdft-ablation-<cell>.json) as a table of each domain's
     `test` score ± SE and its paired difference to the default SDFT; None when the grid was not run."""
@@ -853,11 +1115,12 @@ def run_seeds(run: str) -> list:
     return sorted({m.get("seed") for m in metas if m} - {None})
 
 
-def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
+def report(runs: str, out: str, seed_runs=(), law_runs=(), order_runs=()) -> str:
     """Write the report of the run in `runs` to `out` (markdown; plots linked relative to it); with `seed_runs` (the
     same study with other training seeds, arena.sh SEEDS > 1) every table gives mean ± std over the seeds and each
     finding is checked in every seed; `law_runs` (sequential runs with another cold start, arena.sh LAW_ABLATION=1)
-    add their stages to the forgetting law, and nothing else. -> out."""
+    add their stages to the forgetting law, and nothing else; `order_runs` (sequential runs under other curricula,
+    arena.sh ORDERS=1) give the stage-order section, beside the study's order from `runs` and `seed_runs`. -> out."""
 
     if os.path.lexists(out) and (not os.path.isfile(out) or not open(out, errors="replace").readline().startswith(
             "# ACLArena report")):
@@ -871,7 +1134,15 @@ def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
                              f"{os.path.join(r, 'eval')}: run evaluate.py (arena.sh step 8; LAW_ABLATION=1 for the "
                              "cold-start runs) first")
     recs_by_seed, law_recs = loaded[:len(all_runs)], loaded[len(all_runs):]
-    made_by = same_making([*all_runs, *law_runs], [*recs_by_seed, *law_recs])
+    cont_recs = [continual_records(r) for r in all_runs]
+    order_recs = []
+    for r in order_runs:
+        stages = seq_stages(r)
+        if len(stages) < 2:
+            raise UsageError(f"--orders {r}: no sequential run of two or more finished stages in {r}/seq")
+        order_recs.append(load_records(os.path.join(r, "eval"), [name for name, _ in stages]))
+    made_by = same_making([*all_runs, *law_runs, *order_runs, *all_runs],
+                          [*recs_by_seed, *law_recs, *order_recs, *cont_recs])
     recs, eval_dir = recs_by_seed[0], os.path.join(runs, "eval")
     tasks = [sorted({b["n"] for x in rs.values() for k, b in x["benchmarks"].items() if k.endswith("/test")})
              for rs in recs_by_seed]
@@ -888,6 +1159,7 @@ def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
              f"Generated by `python report.py --runs {runs}" + (f" --seed-runs {' '.join(seed_runs)}" if seed_runs
                                                                  else "") +
              (f" --law-runs {' '.join(law_runs)}" if law_runs else "") +
+             (f" --orders {' '.join(order_runs)}" if order_runs else "") +
              f"` on {time.strftime('%Y-%m-%d %H:%M')}, commit "
              f"{code_revision()}, {platform.machine()} {platform.system()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}. Training seed(s) {'; '.join(seeds)}; "
@@ -942,6 +1214,12 @@ def report(runs: str, out: str, seed_runs=(), law_runs=()) -> str:
     bars = arena_bars(scores)
     lines += [""] + bars if bars else []
     lines += [""] + law if law else []
+    lines += routing_section(all_runs, recs_by_seed)
+    lines += continual_mle(recs_by_seed, cont_recs)
+    lines += cost_table(all_runs)
+    if order_runs:
+        lines += [""] + stage_orders([(list(zip(SEQ, DOMAINS)), rs) for rs in recs_by_seed] +
+                                     [(seq_stages(r), rs) for r, rs in zip(order_runs, order_recs)])
     sdft = sdft_grid(eval_dir)
     if sdft:
         lines += ["", "## The SDFT ablation grid", "", sdft]
@@ -1000,6 +1278,9 @@ def main(argv=None):
     p.add_argument("--law-runs", nargs="+", default=[], metavar="RUNS", help="sequential runs from the same base with "
                    "another cold start (arena.sh LAW_ABLATION=1: runs/tiny-coldself, runs/tiny-coldnone), each with "
                    "its stages evaluated and analysed: more points for the forgetting law, nothing else")
+    p.add_argument("--orders", nargs="+", default=[], metavar="RUNS", help="sequential runs under other curricula "
+                   "(arena.sh ORDERS=1: runs/tiny-order-*, and each seed's), each with its stages evaluated: the "
+                   "stage-order section (forgetting and final score per order and domain, order vs domain)")
     p.add_argument("--balance", action="store_true", help="print finding 6's table alone (from --eval-dir)")
     p.add_argument("--eval-dir", default=None, help="with --balance: where evaluate.py saved the records "
                                                     "(default <runs>/eval)")
@@ -1024,10 +1305,10 @@ def main(argv=None):
                           boots=a.boot)
             print(balance_table(res, a.names, a.claim))
         else:
-            for r in [a.runs, *a.seed_runs, *a.law_runs]:
+            for r in [a.runs, *a.seed_runs, *a.law_runs, *a.orders]:
                 if not os.path.isdir(r):
                     raise UsageError(f"no run directory {r}: run arena.sh first")
-            print(f"wrote {report(a.runs, a.out or os.path.join(a.runs, 'report.md'), a.seed_runs, a.law_runs)}")
+            print(f"wrote {report(a.runs, a.out or os.path.join(a.runs, 'report.md'), a.seed_runs, a.law_runs, a.orders)}")
     except UsageError as e:
         usage_exit(e)
     sys.stdout.flush()

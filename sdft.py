@@ -59,6 +59,8 @@ from acl.step import (
     add_training_flags,
     check_shared_flags,
     check_user_errors,
+    cost_now,
+    cost_since,
     mix_quota,
     parse_mix,
     train_on,
@@ -161,7 +163,7 @@ def collect(a, envs, device) -> tuple:
     same order on any number of ranks (prompt order, then sample)."""
     pools, funnels = {}, {}
     for d in a.domains:
-        t0 = time.time()
+        t0, cost0 = time.time(), cost_now()
         env, oracle = envs[d], a.oracles[d]
         train = env.tasks("train", seed=a.seed)
         tasks = [train[j] for j in Cursor(len(train), a.seed + 2).take(a.prompts_by_domain[d])]
@@ -189,7 +191,7 @@ def collect(a, envs, device) -> tuple:
         funnel = dict(generated=len(tasks) * a.group, **{k: int(common.all_reduce_sum(v)) for k, v in counts.items()},
                       prompts=len(tasks), prompts_kept=len({r["task_id"] for r in records}),
                       sampled_tokens=int(n_tok), seconds=round(dt, 1), gen_seconds=round(gen, 1),
-                      tok_per_s=round(n_tok / max(gen, 1e-9), 1))
+                      tok_per_s=round(n_tok / max(gen, 1e-9), 1), cost=cost_since(cost0))
         common.print0(f"[sdft] {d}: {len(tasks)} prompts x {a.group} from {oracle}: {funnel['correct']} correct, "
                       f"{funnel['distinct']} kept | {n_tok / max(gen, 1e-9):.0f} sampled tok/s ({gen:.0f}s sampling, "
                       f"{dt:.0f}s in all)")
@@ -432,7 +434,14 @@ def main(argv=None):
     else:
         common.print0(f"[sdft] pool: {a.pool_dir} ({'given' if a.pool else 'collected before with this recipe'})")
         print_funnel(pool_meta(a.pool_dir).get("funnel", {}))
-    pools = read_pool(a.pool_dir, a.domains)
+    train_student(a, read_pool(a.pool_dir, a.domains), device, t0)
+    common.teardown()
+
+
+def train_student(a, pools: dict, device, t0: float):
+    """Step 4: the student fine-tuned on the pools -> a.out (a checkpoint finished with this recipe is kept; a killed
+    one resumes). mle.py --continual composes it: each backbone refresh is this on the pools seen so far."""
+    cost0 = cost_now()
     sizes = {d: len(e) for d, e in pools.items()}
     steps = a.steps or max(1, math.ceil(a.epochs * sum(sizes.values()) / a.batch))
     plan = schedule(pools, a.mix, a.order, a.batch, steps, a.seed)
@@ -444,7 +453,6 @@ def main(argv=None):
     rec = recipe(a)
     if common.read_meta(a.out).get("recipe") == rec:
         common.print0(f"[sdft] {a.out} finished before with this recipe, nothing to do")
-        common.teardown()
         return
     try:
         common.check_run_files(a.out, rec, replace=a.overwrite)
@@ -485,9 +493,8 @@ def main(argv=None):
     meta = dict(method="sdft", stage="sdft", parent=os.path.abspath(a.student), curriculum_position=None,
                 step=steps, seed=a.seed, recipe=rec, pool=os.path.abspath(a.pool_dir), pool_sizes=sizes,
                 quota=quota, config={k: v for k, v in vars(a).items() if k != "tok"},
-                seconds=round(time.time() - t0, 1))
+                seconds=round(time.time() - t0, 1), cost=cost_since(cost0))
     common.save_final(a.out, policy, tok, meta, SAVE_DTYPES[a.save_dtype], t0)
-    common.teardown()
 
 
 if __name__ == "__main__":

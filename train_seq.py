@@ -22,6 +22,8 @@ Each stage:
     python train_seq.py                                  # tiny: runs/tiny/seq/1-math ... 4-if (CPU)
     python train_seq.py --oracle                         # tiny oracles: runs/tiny/oracle/<domain>
     python train_seq.py --curriculum if,math --runs runs/tiny-if-first     # any order or subset
+    python train_seq.py --curriculum math,search,if,ecommerce --runs runs/tiny-order-msie --reuse runs/tiny
+        # another order: the stages it shares with runs/tiny's (math, search) copied, not retrained
     torchrun --standalone --nproc_per_node=2 train_seq.py --runs runs/tiny-dist   # FSDP2, 2 CPU ranks (gloo)
     torchrun --nnodes=N --node-rank=R --rdzv-endpoint=HOST:29500 --nproc_per_node=8 \\
         train_seq.py --preset qwen3-8b                   # full scale (see README)
@@ -59,6 +61,8 @@ from acl.step import (
     check_shared_flags,
     check_user_errors,
     clipped_surrogate,
+    cost_now,
+    cost_since,
     episode_logprobs,
     sft_epochs,
     train_on,
@@ -365,6 +369,7 @@ def run_stage(i, domain, parent, a, device, env):
     name = os.path.relpath(out, a.runs)
     t0 = time.time()
     rft_dir = out + "-rft"
+    cost0 = cost_now()   # the stage's cost (cold start + GRPO) for the report's cost table
     use_rft = a.rft_prompts_by_domain.get(domain, 0) > 0
     rft_done = use_rft and common.read_meta(rft_dir).get("recipe") == recipe(a, domain)
     start = rft_dir if rft_done else parent    # decided before loading: one policy, one backend
@@ -393,7 +398,7 @@ def run_stage(i, domain, parent, a, device, env):
     grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model, out=out)
     seconds = time.time() - t0
     save(policy, tok, out, a, domain, i, parent, dict(rft_kept=n_rft, rft_seconds=round(t_rft, 1),
-                                                      seconds=round(seconds, 1)))
+                                                      seconds=round(seconds, 1), cost=cost_since(cost0)))
     common.drop_train_state(out)
     if a.eval_n:
         evaluate_stage(engine if engine is not None else policy, tok, out, a, seconds,
@@ -477,6 +482,9 @@ def get_args(argv=None):
                    "flash-attn import and whether this vllm is supported; exit 1 on a problem (nothing else runs)")
     p.add_argument("--oracle", action="store_true", help="train each curriculum domain alone from --init "
                                                           "-> runs/<preset>/oracle/<domain>")
+    p.add_argument("--reuse", default=None, metavar="RUNS", help="another sequential run's directory: a stage it "
+                   "finished with this stage's recipe and lineage (the same init, budgets, seed and the same stages "
+                   "before it: a shared prefix of two orders) is copied from there instead of retrained")
     add_grpo_flags(p, preset)
     p.add_argument("--cold-start", default=preset["cold_start"], metavar="expert|self",
                    help="the stages' cold start: SFT on an expert's rollouts (tiny: the worlds' scripted expert; "
@@ -513,6 +521,13 @@ def check_args(a):
         raise UsageError(f"--init checkpoint not found: {a.init} (the tiny arena: cp -r assets/tiny-base runs/tiny/base, "
                          f"or rebuild it with python pretrain.py)")
     a.runs = a.runs or os.path.join("runs", a.preset)
+    if a.reuse is not None:
+        if a.oracle:
+            raise UsageError("--reuse is for a curriculum (the shared prefix of two orders), not --oracle")
+        if not os.path.isdir(os.path.join(a.reuse, "seq")):
+            raise UsageError(f"--reuse {a.reuse}: not a sequential run's directory (no seq/ in it)")
+        if os.path.abspath(a.reuse) == os.path.abspath(a.runs):
+            raise UsageError("--reuse names --runs itself: a finished stage there is skipped anyway")
     if a.preset != "tiny" and not a.dry_run:
         require_real_data(a, a.curriculum)
     a.env_opts = env_options(a)
@@ -530,6 +545,16 @@ def check_args(a):
         if not any(r.get("reward", 0) >= 1 for r in expert_records(a.expert_data, d)):
             raise UsageError(f"--expert-data {a.expert_data} holds no full-reward {d} episode")
     return a
+
+
+def reused_stage(a, i: int, domain: str) -> str | None:
+    """--reuse: the other run's stage i if it was finished with this stage's recipe, else None. The recipe holds the
+    parent's identity (a hash of its acl_meta.json), so a stage matches only after the same stages before it, each
+    itself reused (a copy keeps its acl_meta.json) or trained alike."""
+    if not a.reuse:
+        return None
+    twin = os.path.join(a.reuse, "seq", f"{i}-{domain}")
+    return twin if common.read_meta(twin).get("recipe") == recipe(a, domain) else None
 
 
 def evaluate_finished(out, a, device):
@@ -565,8 +590,15 @@ def main(argv=None):
         for i, domain in enumerate(a.curriculum, 1):
             out = stage_dir(a, i, domain)
             name = os.path.relpath(out, a.runs)
-            if common.read_meta(out).get("recipe") == recipe(a, domain):
+            done = common.read_meta(out).get("recipe") == recipe(a, domain)
+            twin = None if done else reused_stage(a, i, domain)
+            if twin:
+                common.copy_checkpoint(twin, out)   # its identity kept: the next stage can match too
+                common.print0(f"[{name}] the same stage is finished in {twin} (this recipe, after the same stages): "
+                              f"copied, not retrained")
+            elif done:
                 common.print0(f"[{name}] finished before, skipping")
+            if done or twin:
                 if a.eval_n and not os.path.isfile(inrun_path(os.path.join(a.runs, "eval"), name.replace(os.sep, "-"))):
                     common.print0(f"[{name}] its in-run evaluation is missing: evaluating it now")
                     evaluate_finished(out, a, device)

@@ -579,6 +579,15 @@ def write_atomically(out_dir: str, write) -> str:
     return out_dir
 
 
+def copy_checkpoint(src: str, out: str):
+    """A finished checkpoint's files copied whole into out, acl_meta.json included (so its identity is the source's):
+    rank 0 writes it atomically (write_atomically), every rank waits."""
+    if rank() == 0:
+        write_atomically(out, lambda tmp: [shutil.copy2(os.path.join(src, f), tmp) for f in os.listdir(src)
+                                           if os.path.isfile(os.path.join(src, f))])
+    barrier()
+
+
 def write_meta(ckpt_dir: str, meta: dict):
     """acl_meta.json of a checkpoint being written, stamped with the code revision, the time and a save id."""
     meta = dict(meta, code_revision=code_revision(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -612,13 +612,11 @@ def make_backend(kind: str, tok, path: str, *, policy=None, device=None, gen_bat
                                       max_lora_rank=max_lora_rank)
         if started:
             print0(f"vllm backend: {engine.support}")
-        elif policy is not None:
-            engine.wake()
-            engine.load_weights(full_params(policy))
+        elif policy is not None:   # wake_and_push's order: the weights, the push, then the KV cache
+            wake_and_push(engine, lambda: engine.load_weights(full_params(policy)))
         else:
             same_tensors(engine.path, [path])
-            engine.wake()
-            engine.load_weights(checkpoint_tensors(path))
+            wake_and_push(engine, lambda: engine.load_weights(checkpoint_tensors(path)))
         return engine, None
     if kind != "hf":
         raise UsageError(f"unknown backend {kind!r}; expected hf or vllm")

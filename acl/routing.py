@@ -3,6 +3,11 @@ expert serves a task, by its environment tag or by the learned router's reading 
 experts by the router's probabilities. evaluate.py serves MLE through this file; mle.py trains what it serves.
 
     route = router("runs/tiny/mle", "learned", tok)      # route(env, task) -> the adapter directory to sample with
+    route = router("runs/tiny/mle", "request", tok)      # the router that reads the user's request alone (no tag)
+
+Two learned routers (issue 42's routing without tags): "learned" reads the prompt as the policy sees it, whose system
+prompt and tools name the domain (so it is an environment tag in disguise); "request" reads the user's request alone,
+the first user message rendered as a lone user turn: no system prompt, no tools, no tag, what a real assistant gets.
 """
 import os
 
@@ -14,15 +19,25 @@ from envs.base import UsageError
 from envs.rollout import ChatML
 
 FORMAT = "aclarena-mle/1"
+ROUTER_FILES = {"learned": "router.pt", "request": "router-request.pt"}   # each learned router's file in an MLE dir
+
+
+def request_messages(messages: list) -> list:
+    """What the request router reads of an episode's opening messages: the first user message alone, as a lone user
+    turn (the system prompt, the tools and any tag dropped)."""
+    first = next((m for m in messages if m.get("role") == "user"), {"content": ""})
+    return [{"role": "user", "content": first.get("content") or ""}]
 
 
 @torch.no_grad()
-def prompt_features(model, tok, items, batch: int = 16) -> torch.Tensor:
-    """(N, h) the frozen backbone's last hidden states mean-pooled over each prompt's tokens (the chat-rendered
-    opening messages and tools, exactly what the policy is prompted with): what the learned router reads."""
+def prompt_features(model, tok, items, batch: int = 16, request: bool = False) -> torch.Tensor:
+    """(N, h) the frozen backbone's last hidden states mean-pooled over each prompt's tokens: the chat-rendered
+    opening messages and tools, exactly what the policy is prompted with (the learned router), or with request the
+    user's request alone (request_messages, no tools: the request router)."""
     chat, dev = ChatML(tok), next(model.parameters()).device
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    prompts = [chat.prompt(env.reset(t).messages, t.tools) for env, t in items]
+    prompts = [chat.prompt(request_messages(env.reset(t).messages), None) if request else
+               chat.prompt(env.reset(t).messages, t.tools) for env, t in items]
     out = []
     for s in range(0, len(prompts), batch):
         ps = prompts[s: s + batch]
@@ -117,9 +132,9 @@ class Blends:
 
 def router(path: str, kind: str, tok, mix: bool = False):
     """route(env, task) -> the expert directory that serves the task. kind "tag": the task's environment tag (an
-    unknown tag is a UsageError); "learned": the learned router's top-1 domain for the task's prompt (features from
-    the backbone, loaded once here), or with mix a blend of the experts by its probabilities (Blends). With tok None
-    only checks that everything is there."""
+    unknown tag is a UsageError); "learned" or "request": that learned router's top-1 domain for the task's prompt
+    (features from the backbone, loaded once here), or with mix a blend of the experts by its probabilities
+    (Blends). With tok None only checks that everything is there."""
     experts = experts_of(path)
     if kind == "tag":
         def route(env, task):
@@ -127,9 +142,9 @@ def router(path: str, kind: str, tok, mix: bool = False):
                 raise UsageError(f"{path} has no expert for the tag {env.domain!r} (experts: {', '.join(experts)})")
             return experts[env.domain]
         return route
-    saved_path = os.path.join(path, "router.pt")
+    saved_path = os.path.join(path, ROUTER_FILES[kind])
     if not os.path.isfile(saved_path):
-        raise UsageError(f"{path} has no learned router ({saved_path}): python mle.py --router learned --out {path}")
+        raise UsageError(f"{path} has no {kind} router ({saved_path}): python mle.py --router learned --out {path}")
     if tok is None:
         return None
     try:   # tensors and plain values only: a crafted pickle in a runs directory must not run code
@@ -144,6 +159,6 @@ def router(path: str, kind: str, tok, mix: bool = False):
 
     @torch.no_grad()
     def route(env, task):
-        p = torch.softmax(r(prompt_features(model, tok, [(env, task)]))[0], -1)
+        p = torch.softmax(r(prompt_features(model, tok, [(env, task)], request=kind == "request"))[0], -1)
         return blends(dict(zip(r.domains, p.tolist()))) if mix else experts[r.domains[int(p.argmax())]]
     return route

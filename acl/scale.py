@@ -53,10 +53,12 @@ def shard_rows(n: int, world: int, r: int) -> int:
 
 
 def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model: bool = False,
-            gpu_gb: float = 141.0, teachers: int = 0, teacher_offload: bool = False, lora: dict | None = None):
+            gpu_gb: float = 141.0, teachers: int = 0, teacher_offload: bool = False, lora: dict | None = None,
+            cfg=None):
     """Build `init`'s architecture on the meta device (no weights, no download), apply shard()'s FSDP2 plan
     under a fake process group of `world` ranks, and print the parameters per rank, an estimate of the
-    memory per rank and the resolved configuration. Returns the figures (tests read them).
+    memory per rank and the resolved configuration. Returns the figures (tests read them). cfg: a transformers
+    config to use instead of init's (bench/gpu_step.py --layers: the 8B width with a few layers, measured beside).
 
     Memory per rank, in bytes, P_r = this rank's parameters (FSDP2 shards every tensor on dim 0):
       fp32 master weights 4 P_r + fp32 gradients 4 P_r + AdamW moments 8 P_r (on the host with --cpu-offload);
@@ -81,7 +83,7 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     push, then its KV cache: the three steps' peaks are printed, and the tightest named."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     from transformers import AutoModelForCausalLM
-    cfg = init_config(init)
+    cfg = cfg or init_config(init)
     if dist.is_initialized():
         raise RuntimeError("--dry-run runs in one process, not under torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

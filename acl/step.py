@@ -400,6 +400,26 @@ def clipped_surrogate(log_ratio, adv, old, slp, clip_low: float, clip_high: floa
 
 # ----------------------------------------------------------------------------- one optimizer step
 
+# This process's training so far (sequences and their tokens through a forward and backward pass), for the cost table
+TRAIN_COUNTS = {"trained_sequences": 0, "trained_tokens": 0}
+
+
+def cost_now() -> dict:
+    """A snapshot of this process's work so far (rollouts: envs.rollout.ROLLOUT_COUNTS; training: TRAIN_COUNTS) and
+    the time: cost_since(snapshot) later gives what a piece of a run cost."""
+    from envs.rollout import ROLLOUT_COUNTS
+    return dict(ROLLOUT_COUNTS, **TRAIN_COUNTS, t=time.time())
+
+
+def cost_since(start: dict) -> dict:
+    """What was done since cost_now() gave `start`, summed over the ranks (every rank calls it): episodes,
+    env_calls, sampled_tokens, trained_sequences, trained_tokens, and the wall seconds. A resumed run counts what
+    this process did (the work before the kill is not in it)."""
+    now = cost_now()
+    out = {k: int(all_reduce_sum(float(now[k] - start[k]))) for k in now if k != "t"}
+    return dict(out, seconds=round(now["t"] - start["t"], 1))
+
+
 def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "token", grad_clip: float = 1.0,
              temperature: float = 1.0, extras: dict | None = None, gather: str | None = None, micro_tokens: int = 0):
     """One optimizer step on `episodes` (this rank's share of the global batch), in micro-batches of at most
@@ -413,6 +433,8 @@ def train_on(model, opt, episodes, loss_fn, *, micro_batch: int, agg: str = "tok
     gradient or weight (before the weights change, for the loss and the gradient), or a weight_change above
     MAX_WEIGHT_CHANGE."""
     extras = extras or {}
+    TRAIN_COUNTS["trained_sequences"] += len(episodes)
+    TRAIN_COUNTS["trained_tokens"] += sum(len(e.token_ids) for e in episodes)
     pad, dev = pad_id(model), next(model.parameters()).device
     micro = micro_batches(episodes, micro_batch, micro_tokens)
     # every rank must run the same number of forward/backward passes (FSDP collectives): pad with

@@ -10,7 +10,10 @@
 #      re-prefill (token ids, masks, rewards) and sampled log-probs against teacher forcing, on every domain (the
 #      same checks tests/test_engine.py runs on the CPU with stock sdpa); the largest log-prob gap in the log;
 #   4. bench/gpu.sh's step figures: GRPO update tokens/s and MFU against the nominal and the measured bf16 matmul peak,
-#      LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s.
+#      LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s;
+#   5. memory at the 8B width: Qwen3-8B's layers and vocabulary with 3 layers, one GRPO update's measured peak beside
+#      --dry-run's estimate for the same model (the terms the README's 8B memory table extrapolates).
+# On a GPU each step has a timeout; they sum to 480 s (tests/test_bench.py holds it), so the check ends within 8 min.
 #   bash bench/gpu_check.sh           # on a GPU
 #   bash bench/gpu_check.sh --cpu     # every step at smoke size on the CPU (CI runs it): checks this script, not a GPU
 # Each step runs whatever the one before did; the summary names the failed ones; exit 1 if any failed.
@@ -37,11 +40,14 @@ if [ "$CPU" = 1 ]; then
     step gpu-tier python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache"
     step kv-sdpa python -m pytest -q -s -m gpu tests/test_gpu.py -k kept_cache
     step step-figures python bench/gpu_step.py --smoke --lora 4
+    step memory-8b-width python bench/gpu_step.py --smoke --layers 3 --vs-dry-run
 else
-    step install python train_seq.py --check-install
-    step gpu-tier timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache"
-    step kv-sdpa timeout 120 python -m pytest -q -s -m gpu tests/test_gpu.py -k kept_cache
-    step step-figures timeout 300 bash bench/gpu.sh
+    step install timeout 30 python train_seq.py --check-install
+    step gpu-tier timeout 140 python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache"
+    step kv-sdpa timeout 70 python -m pytest -q -s -m gpu tests/test_gpu.py -k kept_cache
+    step step-figures timeout 170 bash bench/gpu.sh
+    step memory-8b-width timeout 70 torchrun --standalone --nproc_per_node=1 bench/gpu_step.py \
+        --config Qwen/Qwen3-8B-Base --layers 3 --vs-dry-run --micro-batch 1 --completion-len 3584 --steps 1
 fi
 if [ ${#FAILED[@]} = 0 ]; then echo "gpu_check: every step passed (log: $LOG)" | tee -a "$LOG"; exit 0; fi
 echo "gpu_check: FAILED: ${FAILED[*]} (log: $LOG)" | tee -a "$LOG"

@@ -7,6 +7,12 @@ model frozen, a rank-R adapter trained) beside full fine-tuning. Run through ben
     bash bench/gpu.sh                                             # torchrun --nproc_per_node=1 bench/gpu_step.py
     torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8 --prompt-len 512 --completion-len 1536
     python bench/gpu_step.py --smoke                              # the same code on a micro model on the CPU (tests)
+    torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --config Qwen/Qwen3-8B-Base --layers 3 --vs-dry-run \
+        --micro-batch 1 --completion-len 3584 --steps 1    # 8B width, 3 layers: the measured peak beside --dry-run's
+
+--vs-dry-run prints acl.scale.dry_run's estimate of the training memory (one rank, this config, micro-batch and length)
+beside the peak the update really allocated: at the 8B width with a few layers (--layers) it tests, on one GPU, the
+per-layer and root terms that the README's 8B memory table extrapolates to 36 layers and many ranks.
 
 MFU counts the model FLOPs of the tokens the update really processes, PaLM-style (Chowdhery et al. 2022,
 appendix B): 6 N + 12 L H T FLOPs per token for forward + backward, N the parameters that do matmuls (every
@@ -93,6 +99,10 @@ def main(argv=None):
     p.add_argument("--gen-tokens", type=int, default=256, help="generation: new tokens per sequence")
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="also time the same update on mle.py's expert: "
                    "the model frozen, a LoRA adapter of this rank on every projection trained (printed beside)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's): the config's "
+                   "width with a few layers, for --vs-dry-run at 8B width on one GPU")
+    p.add_argument("--vs-dry-run", action="store_true", help="also print --dry-run's estimate of the training memory "
+                   "for this model, micro-batch and length beside the measured peak")
     p.add_argument("--smoke", action="store_true", help="a micro model and tiny sizes on the CPU (for tests)")
     a = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -108,6 +118,16 @@ def main(argv=None):
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512))
         a.prompts, a.group, a.prompt_len, a.completion_len, a.micro_batch, a.steps = 2, 2, 16, 24, 2, 1
         a.gen_batch, a.gen_prompt_len, a.gen_tokens = 4, 8, 8
+    if a.layers is not None:
+        if a.layers < 1:
+            p.error(f"--layers must be >= 1, got {a.layers}")
+        cfg = Qwen3Config(**dict(cfg.to_dict(), num_hidden_layers=a.layers, layer_types=None))   # types re-derived
+    estimate = None
+    if a.vs_dry_run:   # before init_dist: the dry run builds the model on the meta device under its own fake group
+        from acl.scale import dry_run
+        est_args = SimpleNamespace(bf16=torch.cuda.is_available(), cpu_offload=False, grad_ckpt=a.grad_ckpt,
+                                   micro_tokens=None, attn="auto", backend="none", vllm_gpu_util=0.0)
+        estimate = dry_run(est_args, a.config, 1, a.micro_batch, a.prompt_len + a.completion_len, cfg=cfg)["total"]
     device = init_dist(bf16=torch.cuda.is_available())   # one GPU without torchrun: a one-rank group, bf16 as under it
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -185,7 +205,7 @@ def main(argv=None):
 
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print0(f"bench/gpu_step.py on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, attention {attn}, "
-           f"{a.config} config ({n_params / 1e9:.2f}B parameters{', micro smoke' if a.smoke else ''}), random init")
+           f"{a.config} config{f' at {a.layers} layers' if a.layers else ''} ({n_params / 1e9:.2f}B parameters{', micro smoke' if a.smoke else ''}), random init")
     print0("| measure | value |\n|---|---|")
     print0(f"| GRPO update: {len(eps)} sequences of {a.prompt_len}+{a.completion_len} tokens, micro-batch "
            f"{a.micro_batch}, grad ckpt {a.grad_ckpt} | {dt:.2f} s (loss {loss:+.4f}) |")
@@ -197,6 +217,9 @@ def main(argv=None):
         print0(f"| bf16 matmul 8192^3 measured here; MFU against it | {measured:.0f} TFLOP/s; "
                f"{100 * tflops / measured:.1f}% |")
     print0(f"| peak GPU memory, training: allocated, reserved | {peak_mem[0]:.1f} GiB, {peak_mem[1]:.1f} GiB |")
+    if estimate is not None:
+        print0(f"| training memory: --dry-run's estimate, measured allocated ÷ it | {estimate / 2**30:.1f} GiB, "
+               f"{peak_mem[0] * 2**30 / estimate:.2f} |")
     if a.lora:
         print0(f"| LoRA rank {a.lora} expert ({n_lora / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
                f"memory | {tokens / lora_dt:,.0f} ({dt / lora_dt:.2f}x full fine-tuning), {lora_mem[0]:.1f} GiB |")

@@ -28,6 +28,10 @@ from envs.base import UsageError
 # exchange: four tool answers in JSON); a limit of 1,024 cut every exchange and most address episodes
 # (tests/test_pretrain.py checks that every clean demonstration fits).
 MAX_TOKENS, MAX_TURN_TOKENS = 1536, 256
+# This process's rollouts so far, read as differences by the cost table (acl.step.cost_since): episodes, environment
+# calls (assistant turns a live environment answered; a saved transcript's replay is none) and policy-sampled tokens
+# (an expert's replayed texts are none)
+ROLLOUT_COUNTS = {"episodes": 0, "env_calls": 0, "sampled_tokens": 0}
 
 
 
@@ -206,6 +210,9 @@ def rollout(backend, tok, items, n_samples: int = 1, temperature: float = 1.0, m
     for env, state, ep in everything:
         ep.reward, ep.metrics = env.score(state)
         ep.messages, ep.truncated, ep.turns = state.messages, state.truncated, state.turns
+        ROLLOUT_COUNTS["env_calls"] += 0 if isinstance(env, TranscriptEnv) else ep.turns
+        ROLLOUT_COUNTS["sampled_tokens"] += 0 if isinstance(backend, ReplayBackend) else ep.n_sampled
+    ROLLOUT_COUNTS["episodes"] += len(everything)
     return [ep for _, _, ep in everything]
 
 

@@ -1,6 +1,7 @@
-"""arena.sh end to end at toy size (QUICK=1, ~3 min on 2 cores; the slow tier): killed in the middle of a step and
-run again, every step runs and connects and the report has every row, column and finding. (The SEEDS aggregation is
-tests/test_report.py's, on hand-made records; a killed step's resume is each script's own test.)"""
+"""arena.sh end to end at toy size (QUICK=1 with ORDERS=1 and MLE_CONTINUAL=1, ~6 min on 2 cores; the slow tier):
+killed in the middle of a step and run again, every step runs and connects and the report has every row, column and
+finding. (The SEEDS aggregation is tests/test_report.py's, on hand-made records; a killed step's resume is each
+script's own test.)"""
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ def quick(tmp_path_factory):
     """The QUICK arena, once in the suite: killed while MMOPD trains (lane B, after the merges), then run again with
     the same command to the end."""
     runs = tmp_path_factory.mktemp("arena") / "runs" / "tiny-quick"
-    p = arena(runs)
+    p = arena(runs, env=dict(ORDERS="1", MLE_CONTINUAL="1"))
     t0 = time.time()
     while time.time() - t0 < 600:
         line = p.stdout.readline()
@@ -39,7 +40,7 @@ def quick(tmp_path_factory):
     p.wait()
     killed = {d for d in ("sdft", "mle", "mmopd") if (runs / d / "acl_meta.json").is_file()}
     assert not (runs / "report.md").exists()
-    p = arena(runs)
+    p = arena(runs, env=dict(ORDERS="1", MLE_CONTINUAL="1"))
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-4000:]
     return runs, out, killed
@@ -53,7 +54,7 @@ def test_quick_arena_killed_and_resumed_runs_every_step_and_reports(quick):
     assert "[seq/4-if] finished before, skipping" in open(runs / "logs" / "seq.log").read()
     steps = {line.split()[0] for line in open(runs / "arena_times.md") if re.match(r"^[a-z-]+ +\d+ s$", line.strip())}
     assert {"seq", "oracles", "analyze-seq", "merge-uniform", "merge-grid", "merge-balanced", "sdft", "mle", "mmopd",
-            "analyze", "evaluate-runs", "evaluate-oracles", "evaluate-consolidators", "evaluate-mle-learned",
+            "analyze", "evaluate-runs", "evaluate-oracles", "evaluate-consolidators", "evaluate-mle-learned", "evaluate-mle-request",
             "evaluate-mixed"} <= steps
     text = open(runs / "report.md").read()
     for row in report.ROWS:
@@ -63,6 +64,21 @@ def test_quick_arena_killed_and_resumed_runs_every_step_and_reports(quick):
     found = re.findall(r"^\| (\d+) \| .* \| \*\*(holds|contradicted|not shown|not measurable here)\*\* \|", text, re.M)
     assert [int(i) for i, _ in found] == list(range(1, 11)), found
     assert "total (wall)" in text and "![accuracy after each stage](eval/seq_matrix.png)" in text
+    # ORDERS=1: three more curricula, e-commerce last reusing the study's math and search stages, in the report
+    assert {f"order-{o}{e}" for o in ("rev", "efirst", "elast") for e in ("", "-evaluate")} <= steps
+    elast = open(runs / "logs" / "order-elast.log").read()
+    assert "[seq/1-math] the same stage is finished in" in elast and "[seq/2-search] the same stage is finished" in elast
+    assert "[seq/3-if] step 1/1" in elast and "copied" not in open(runs / "logs" / "order-rev.log").read()
+    assert "## Stage order (beyond the study)" in text and "| if → ecommerce → search → math, 1 seed(s) |" in text
+    assert re.search(r"Verdict \(criterion fixed in report.py before the runs\): \*\*(the domain decides|the position "
+                     r"decides|neither decides|not measurable here)\*\*", text)
+    # MLE_CONTINUAL=1: the continual MLE's directories evaluated on the domains seen, its section and the cost table
+    assert {"mle-continual", "evaluate-mle-continual"} <= steps
+    assert (runs / "eval" / "mle-continual-4-if-refit.json").is_file()
+    assert "## MLE as a continual learner (beyond the study)" in text and "| if arrives | ecommerce |" in text
+    assert "## The cost of a new domain (beyond the study)" in text and "| MLE continual + re-fits | " in text
+    assert "## Routing without tags (beyond the study)" in text and "| request | ecommerce/ood |" in text
+    assert (runs / "eval-mixed" / "mle-request.json").is_file()
     # the lanes' progress: each long step's newest "ETA" line is echoed while it runs
     assert re.search(r"^\[[\d:]+\]   evaluate-runs: saved .* checkpoint \d+/6 \| \d+s elapsed, ETA \d+s$", out, re.M), out
 

@@ -165,10 +165,23 @@ def test_gpu_check_runs_every_step_on_the_cpu(tmp_path):
                        env=dict(os.environ, OUT=str(tmp_path), TOKENIZERS_PARALLELISM="false"))
     assert r.returncode == 0, r.stdout[-3000:]
     log = (tmp_path / "gpu_check.log").read_text()
-    for name in ("install", "gpu-tier", "kv-sdpa", "step-figures"):
+    for name in ("install", "gpu-tier", "kv-sdpa", "step-figures", "memory-8b-width"):
         assert f"== {name}: exit 0" in log, log[-2000:]
     assert "3 passed" in log and "1 passed" in log and "every step passed" in log
     assert "sampled log-probs against teacher forcing on cpu" in log
+    assert "at 3 layers" in log and "| training memory: --dry-run's estimate, measured allocated ÷ it |" in log
+
+
+def test_gpu_check_fits_its_eight_minutes():
+    """The GPU branch of gpu_check.sh: every step under a timeout, the timeouts summing to at most 480 s (a lent GPU
+    gives ~15 minutes in all, one call at most 10), and the same steps as the --cpu branch that CI runs."""
+    text = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
+    cpu, gpu = text.split('if [ "$CPU" = 1 ]; then', 1)[1].split("\nelse\n", 1)
+    gpu = gpu.split("\nfi\n", 1)[0]
+    steps = lambda branch: re.findall(r"^\s*step (\S+)", branch, re.M)
+    assert steps(gpu) == steps(cpu) and len(steps(gpu)) == 5
+    timeouts = [int(t) for t in re.findall(r"^\s*step \S+ timeout (\d+) ", gpu, re.M)]
+    assert len(timeouts) == len(steps(gpu)) and sum(timeouts) <= 480, timeouts
 
 
 # ----------------------------------------------------------------------------- bench/tiny_sizes.py

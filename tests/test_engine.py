@@ -248,3 +248,32 @@ def test_a_stream_admit_frees_the_caches_it_stacked(tiny_agent):
     b = Freed(model, tok, max_batch=3)
     rollout(b, tok, items_of("ecommerce"), 2, temperature=0.0, seed=0)
     assert len(b.alive) > 3 and not any(b.alive), b.alive
+
+
+def test_make_backend_rewakes_a_sleeping_vllm_engine_in_wake_and_push_order(monkeypatch):
+    """A later make_backend on the process's sleeping vLLM engine (the next checkpoint of evaluate.py, a script's
+    second stage) wakes the weights, pushes, and only then the KV cache: waking everything before the push would
+    hold the KV cache beside the push's gathered tensors, the peak wake_and_push exists to avoid."""
+    import acl.engine as engine_mod
+
+    calls = []
+
+    class Sleeping:
+        path = "ckpt-a"
+
+        def wake(self, tags=None):
+            calls.append(("wake", tuple(tags) if tags else "all"))
+
+        def load_weights(self, named):
+            calls.append(("push", [n for n, _ in named]))
+
+    eng = Sleeping()
+    monkeypatch.setattr(engine_mod, "shared_vllm", lambda *a, **k: (eng, False))
+    monkeypatch.setattr(engine_mod, "same_tensors", lambda *a, **k: None)
+    monkeypatch.setattr(engine_mod, "checkpoint_tensors", lambda path: iter([("w", torch.zeros(1))]))
+    monkeypatch.setattr(engine_mod, "full_params", lambda policy: iter([("p", torch.zeros(1))]))
+    for policy in (None, torch.nn.Linear(1, 1)):
+        calls.clear()
+        backend, model = engine_mod.make_backend("vllm", None, "ckpt-b", policy=policy)
+        assert backend is eng and model is None
+        assert calls == [("wake", ("weights",)), ("push", ["w" if policy is None else "p"]), ("wake", ("kv_cache",))]

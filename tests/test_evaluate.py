@@ -418,7 +418,7 @@ def test_gold_likelihood_of_an_expert_copier_beats_a_random_model(micro):
 
 
 def test_gold_n_scores_the_first_tasks_of_a_split_and_the_sampled_score_all_of_them(micro):
-    """--gold-n: the gold log-likelihood on a split's first N tasks (the same ones at any --n), every task sampled;
+    """--gold-n: the gold log-likelihood on a split's first N tasks at this --n, every task sampled;
     True: all of them; the first N's values equal a run on those N alone."""
     model, tok = micro
     kw = dict(suite="tiny", domains=["math"], splits=("test",), n=6, max_tokens=200, max_turn_tokens=12)
@@ -428,6 +428,18 @@ def test_gold_n_scores_the_first_tasks_of_a_split_and_the_sampled_score_all_of_t
     every = evaluate.evaluate_model(model, tok, gold=True, **kw)["math/test"]["gold"]
     assert every["n"] == 6 and every["per_task_loglik"][:2] == pytest.approx(few["gold"]["per_task_loglik"], abs=1e-5)
     assert "gold" not in evaluate.evaluate_model(model, tok, gold=False, **kw)["math/test"]
+
+
+def test_the_gold_setting_is_one_value_per_computation():
+    """The record's gold setting names what was computed: --gold-n at or above every split's size computes what
+    True does and records True (so --resume keeps a --n 200 record under any --gold-n >= 200); below it, N."""
+    tasks = {"math/test": (None, list(range(800))), "math/ood": (None, list(range(200)))}
+    small = {"math/test": (None, list(range(200))), "math/ood": (None, list(range(50)))}
+    assert evaluate.gold_setting(True, 300, tasks) == 300
+    assert evaluate.gold_setting(True, 300, small) is True and evaluate.gold_setting(True, 200, small) is True
+    assert evaluate.gold_setting(True, 199, small) == 199
+    assert evaluate.gold_setting(True, 0, tasks) is True
+    assert evaluate.gold_setting(False, 300, tasks) is False and evaluate.gold_setting(False, 0, small) is False
 
 
 def test_a_negative_gold_n_is_refused_in_one_line(call):

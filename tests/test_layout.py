@@ -7,8 +7,9 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the script -> script arrows allowed: a method run inside another (mle.py trains its experts with train_seq.py's
-# GRPO loop; train_seq.py evaluates after each stage and merge.py scores its candidates with evaluate.py)
-COMPOSES = {"mle": {"train_seq"}, "train_seq": {"evaluate"}, "merge": {"evaluate"}}
+# GRPO loop and, --continual, refreshes its backbone with sdft.py's SFT; train_seq.py evaluates after each stage and
+# merge.py scores its candidates with evaluate.py)
+COMPOSES = {"mle": {"train_seq", "sdft"}, "train_seq": {"evaluate"}, "merge": {"evaluate"}}
 
 
 def graph(root: str) -> dict:

@@ -115,7 +115,7 @@ def run(tmp_path):
         "oracle-ecommerce": (0.1, 0.1, 0.6, 0.1), "oracle-if": (0.1, 0.1, 0.1, 0.6),
         "merge-uniform": (0.55, 0.5, 0.1, 0.3), "merge-grid": (0.5, 0.5, 0.3, 0.3), "merge-balanced": (0.5, 0.5, 0.3, 0.3),
         "sdft": (0.55, 0.55, 0.3, 0.3), "mmopd": (0.55, 0.55, 0.5, 0.5), "mle": (0.6, 0.6, 0.6, 0.6),
-        "mle-learned": (0.6, 0.6, 0.55, 0.6)}
+        "mle-learned": (0.6, 0.6, 0.55, 0.6), "mle-request": (0.6, 0.55, 0.5, 0.6)}
     for name, r in rates.items():
         full_record(ev / f"{name}.json", dict(zip(ALL, r)))
     (tmp_path / "runs" / "analysis").mkdir()
@@ -363,6 +363,132 @@ def test_the_cold_start_ablation_adds_its_stages_to_the_law_and_nothing_else(run
     (empty / "eval").mkdir(parents=True)
     with pytest.raises(UsageError, match="--law-runs .*runs-coldself: no evaluation records"):
         report.report(str(run), str(tmp_path / "r.md"), law_runs=[str(empty)])
+
+
+FORGET = {"math": 0.2, "search": 0.3, "ecommerce": 0.05, "if": 0.1}   # the fixture's study order forgets these three
+
+
+def order_run(path, order, forget=FORGET):
+    """A sequential run under `order` made by hand: seq/<i>-<domain>/acl_meta.json and each stage's record; every domain
+    scores 0.6 until the final stage, which keeps 0.6 - forget[d] of each earlier domain d."""
+    (path / "eval").mkdir(parents=True)
+    for i, d in enumerate(order, 1):
+        (path / "seq" / f"{i}-{d}").mkdir(parents=True)
+        (path / "seq" / f"{i}-{d}" / "acl_meta.json").write_text(json.dumps({"stage": d, "curriculum": list(order)}))
+        (path / "seq" / f"{i}-{d}-rft").mkdir()   # a cold start's checkpoint is no stage
+        last = i == len(order)
+        full_record(path / "eval" / f"seq-{i}-{d}.json",
+                    {x: 0.6 - (forget[x] if last and x != d else 0.0) for x in ALL})
+    return str(path)
+
+
+def test_the_stage_order_section_asks_whether_the_order_or_the_domain_decides(run, tmp_path):
+    """report(order_runs=...) (issue 42): the study's order from the main run beside three more, read from their seq/
+    directories; each domain's forgetting (own stage - the order's final, paired) with its position, and its final
+    score; here each domain forgets the same wherever it stands, so the domain decides (adjusted R² 1.00). A second
+    seed of one order gives mean ± std [SE]; a run without stages is refused in one line."""
+    # the fixture's study order: math 0.6 -> 0.4, search 0.6 -> 0.3, ecommerce 0.6 -> 0.55 at seq-4-if
+    rev = order_run(tmp_path / "o-rev", ("if", "ecommerce", "search", "math"))
+    efirst = order_run(tmp_path / "o-efirst", ("ecommerce", "math", "search", "if"))
+    elast = order_run(tmp_path / "o-elast", ("math", "search", "if", "ecommerce"))
+    text = open(report.report(str(run), str(tmp_path / "r.md"), order_runs=[rev, efirst, elast])).read()
+    assert "## Stage order (beyond the study)" in text and f"--orders {rev} {efirst} {elast}" in text
+    assert re.search(r"\| math → search → ecommerce → if \(the study's\), 1 seed\(s\) \| 0\.200 ± 0\.0\d\d \(1\) \| "
+                     r"0\.300 ± 0\.0\d\d \(2\) \| 0\.050 ± 0\.0\d\d \(3\) \| \(last, 4\) \|", text)
+    assert re.search(r"\| if → ecommerce → search → math, 1 seed\(s\) \| \(last, 4\) \| 0\.300 ± 0\.0\d\d \(3\) \| "
+                     r"0\.050 ± 0\.0\d\d \(2\) \| 0\.100 ± 0\.0\d\d \(1\) \|", text)
+    assert "| ecommerce → math → search → if, 1 seed(s) | 0.400 ± " in text   # the final scores table: math 0.6 - 0.2
+    assert "Over the 12 cells" in text and "by the domain alone: adjusted R² 1.00" in text
+    assert "**the domain decides**" in text
+    rev2 = order_run(tmp_path / "o-rev2", ("if", "ecommerce", "search", "math"), dict(FORGET, search=0.4))
+    text = open(report.report(str(run), str(tmp_path / "r.md"), order_runs=[rev, rev2, efirst, elast])).read()
+    assert re.search(r"\| if → ecommerce → search → math, 2 seed\(s\) \| \(last, 4\) \| 0\.350 ± 0\.071 \[0\.0\d\d\] \(3\)",
+                     text)
+    (tmp_path / "o-none" / "eval").mkdir(parents=True)
+    with pytest.raises(UsageError, match="--orders .*o-none: no sequential run"):
+        report.report(str(run), str(tmp_path / "r.md"), order_runs=[str(tmp_path / "o-none")])
+
+
+def test_the_cost_table_sums_each_methods_pieces(run):
+    """method_costs/cost_table (issue 42): the cost of adding the last domain, each method's pieces summed from the
+    `cost` they recorded; a method with a piece missing shows –; no recorded cost at all, no section."""
+    assert report.cost_table([str(run)]) == []
+
+    def piece(path, n, pool=False):
+        c = dict(env_calls=n, sampled_tokens=10 * n, trained_tokens=100 * n, seconds=n)
+        os.makedirs(path, exist_ok=True)
+        body = {"funnel": {"if": {"cost": c}}} if pool else {"cost": c}
+        (path / ("pool.json" if pool else "acl_meta.json")).write_text(json.dumps(body))
+    piece(run / "seq" / "4-if", 1)
+    piece(run / "oracle" / "if", 2)
+    piece(run / "sdft-pool", 4, pool=True)
+    piece(run / "sdft", 8)
+    piece(run / "mmopd", 16)
+    for d in ALL:
+        piece(run / "mle" / "experts" / d, 32)
+    piece(run / "mle-continual" / "backbone" / "4-if", 64)
+    piece(run / "mle-continual" / "4-if" / "experts" / "if", 128)
+    costs = report.method_costs(str(run))
+    assert costs["sequential RL"][0]["env_calls"] == 1 and costs["SDFT from scratch"][0]["env_calls"] == 14
+    assert costs["MMOPD"][0]["trained_tokens"] == 1700 and costs["MLE one-shot"][0]["env_calls"] == 14 + 4 * 32
+    assert costs["MLE continual"][0]["seconds"] == 2 + 4 + 64 + 128
+    assert costs["MLE continual + re-fits"][0] is None   # no re-fit recorded
+    lines = "\n".join(report.cost_table([str(run)]))
+    assert "| sequential RL | 1 | 10 | 100 | 1 | its stage |" in lines
+    assert "| MLE continual + re-fits | – | – | – | – |" in lines
+
+
+def test_the_continual_mle_section_shows_adapter_drift_and_the_refit(run, tmp_path):
+    """eval/mle-continual-<k>-<domain>[-refit].json (arena.sh MLE_CONTINUAL=1): an earlier domain's score before a
+    backbone refresh, the refresh's paired change (kept expert) and the re-fit's; the last step against one-shot MLE
+    (the fixture's mle: 0.6 everywhere)."""
+    ev = run / "eval"
+    for k, d in enumerate(ALL, 1):
+        # each refresh costs every earlier domain 0.1 with its kept expert; the re-fit wins 0.05 of it back
+        kept = {x: 0.6 - 0.1 * (k - 1 - i) if i < k - 1 else 0.6 for i, x in enumerate(ALL[:k])}
+        full_record(ev / f"mle-continual-{k}-{d}.json", kept)
+        if k > 1:
+            full_record(ev / f"mle-continual-{k}-{d}-refit.json",
+                        {x: v + (0.05 if x != d else 0.0) for x, v in kept.items()})
+    text = open(report.report(str(run), str(tmp_path / "r.md"))).read()
+    assert "## MLE as a continual learner (beyond the study)" in text
+    assert re.search(r"\| search arrives \| math \| 0\.600 ± 0\.0\d\d \| -0\.100 ± 0\.0\d\d \| 0\.050 ± 0\.0\d\d \|", text)
+    assert re.search(r"\| if arrives \| math \| 0\.400 ± 0\.0\d\d \| -0\.100 ± 0\.0\d\d \| 0\.050 ± 0\.0\d\d \|", text)
+    assert re.search(r"\| continual, experts kept \| -0\.300 ± 0\.0\d\d \| -0\.200 ± 0\.0\d\d \| -0\.100 ± 0\.0\d\d \| "
+                     r"0\.000 ± 0\.000 \|", text)
+
+
+def test_the_routing_section_measures_router_accuracy_and_the_cost_of_a_wrong_route(run, tmp_path):
+    """Routing without tags: the request router's records with routed_to (which expert served each task): its
+    accuracy per domain and split, the misrouted tasks' paired cost against tag routing, and where mixed tasks went."""
+    assert "## Routing without tags" not in open(report.report(str(run), str(tmp_path / "r.md"))).read()
+    ev = run / "eval"
+    tag = json.loads((ev / "mle.json").read_text())
+    rec = json.loads(json.dumps(tag))
+    for col, b in rec["benchmarks"].items():
+        d = col.split("/")[0]
+        n = len(b["per_task"])
+        # the first 20 math test tasks go to the search expert, and score 0 there (tag routing: 1 on the first 60)
+        wrong = 20 if col == "math/test" else 0
+        b["routed_to"] = ["search"] * wrong + [d] * (n - wrong)
+        b["per_task"] = [0.0] * wrong + b["per_task"][wrong:]
+        b["mean"] = sum(b["per_task"]) / n
+    (ev / "mle-request.json").write_text(json.dumps(rec))
+    (run / "eval-mixed").mkdir()
+    (run / "eval-mixed" / "mle-request.json").write_text(json.dumps({"benchmarks": {"mixed/test": {
+        "routed_to": ["search"] * 3 + ["math"]}}}))
+    text = open(report.report(str(run), str(tmp_path / "r.md"))).read()
+    assert "## Routing without tags (beyond the study)" in text and "| MLE-request | " in text
+    assert "| request | math/test | 0.800 | 20 | 1.000 ± 0.000 | -0.200 ± 0.040 |" in text
+    assert "| request | search/test | 1.000 | 0 | – (none misrouted) | 0.000 ± 0.000 |" in text
+    assert "- request on mixed/test: search 75%, math 25%" in text
+
+
+def test_adjusted_r2_by_hand():
+    assert report.adjusted_r2(["a", "a", "b", "b"], [1.0, 1.0, 3.0, 3.0]) == pytest.approx(1.0)
+    # levels explain nothing: within-level variance is all of it, and the adjustment makes it negative
+    assert report.adjusted_r2(["a", "b", "a", "b"], [1.0, 1.0, 3.0, 3.0]) == pytest.approx(1 - (4 / 2) / (4 / 3))
+    assert report.adjusted_r2(["a", "b"], [1.0, 2.0]) is None and report.adjusted_r2(["a", "a", "b"], [1, 1, 1]) is None
 
 
 def test_the_arenas_bars_are_measured_from_the_records(run, tmp_path):

@@ -230,6 +230,41 @@ def test_oracle_writes_oracle_dirs(micro_base, tmp_path):
     assert meta["method"] == "oracle" and meta["parent"] == os.path.abspath(micro_base)
 
 
+def test_another_order_reuses_the_shared_prefix_instead_of_retraining_it(micro_base, tmp_path):
+    """--reuse (the order runner): math,if then math,search --reuse: stage 1 is the same stage (the same init, budgets,
+    seed, nothing before it), so it is copied whole, acl_meta.json included, and never retrained; stage 2 differs and
+    is trained, from the copy. A stage after other stages, or with another seed, matches nothing."""
+    study, order = str(tmp_path / "study"), str(tmp_path / "order")
+    args = ["--init", micro_base, *FAST, "--steps", "1", "--eval-n", "0"]
+    assert run_cli([*args, "--runs", study, "--curriculum", "math,if"]).returncode == 0
+    r = run_cli([*args, "--runs", order, "--curriculum", "math,search", "--reuse", study])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[seq/1-math] the same stage is finished in" in r.stdout and "copied, not retrained" in r.stdout
+    assert "[seq/1-math] step" not in r.stdout and "[seq/1-math] rft" not in r.stdout   # no cold start, no GRPO
+    assert "[seq/2-search] step 1/1" in r.stdout
+    for f in ("model.safetensors", "acl_meta.json"):
+        assert open(os.path.join(order, "seq", "1-math", f), "rb").read() == \
+            open(os.path.join(study, "seq", "1-math", f), "rb").read()
+    meta = json.load(open(os.path.join(order, "seq", "2-search", "acl_meta.json")))
+    assert meta["parent"] == os.path.abspath(os.path.join(order, "seq", "1-math")) and meta["curriculum"] == ["math", "search"]
+    c = meta["cost"]   # the stage's cost for the report's cost table: its cold start's and GRPO's episodes and tokens
+    assert c["episodes"] >= 2 * 2 and c["env_calls"] >= c["episodes"] and c["trained_tokens"] > c["sampled_tokens"] > 0
+    r = run_cli([*args, "--runs", order, "--curriculum", "math,search", "--reuse", study])   # again: both finished here
+    assert r.returncode == 0 and r.stdout.count("finished before, skipping") == 2 and "copied" not in r.stdout
+    parse = lambda *extra: train_seq.check_args(train_seq.get_args([*args, "--runs", str(tmp_path / "x"), "--reuse",
+                                                                     study, *extra]))
+    assert train_seq.reused_stage(parse("--curriculum", "math"), 1, "math") == os.path.join(study, "seq", "1-math")
+    assert train_seq.reused_stage(parse("--curriculum", "math", "--seed", "1"), 1, "math") is None
+    assert train_seq.reused_stage(parse("--curriculum", "search,if"), 2, "if") is None   # after search, not math
+
+
+@pytest.mark.parametrize("flags,msg", [(["--reuse", "nowhere"], "not a sequential run's directory"),
+                                       (["--oracle", "--reuse", "."], "not --oracle")])
+def test_bad_reuse_is_refused_in_one_line(micro_base, tmp_path, flags, msg, call):
+    r = call(train_seq.main, ["--init", micro_base, "--runs", str(tmp_path / "r"), *flags])
+    assert r.returncode == 2 and msg in r.stderr and not os.path.exists(tmp_path / "r")
+
+
 def test_a_parent_replaced_in_place_makes_its_children_stale(micro_base, tmp_path):
     """Lineage by identity, not by path: the same command again skips every stage; a base rebuilt under the same path,
     or a stage 1 replaced under its own, and the stages made from the old one are refused in one line, before any
