@@ -68,8 +68,8 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
       activations: with activation checkpointing each layer keeps its input (h per token) and one layer is
       recomputed at a time; without it every layer keeps the inputs of its matmuls and norms,
       4h + 3q + 2kv + 4i values per token (q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate);
-      logits: micro_batch x seq_len x vocab at the compute dtype, and their gradient; the float32 log-softmax
-      runs 4,096 tokens at a time and is recomputed in backward (selected_logprobs);
+      logits: never whole (token_logprobs' fused head): one chunk of 4,096 tokens x vocab at a time, at the compute
+      dtype and its gradient plus ~10 bytes of float32 work per entry, recomputed in backward (selected_logprobs);
       a frozen reference model (ref_model, e.g. GRPO's --kl-coef > 0): its fp32 shard, 4 P_r;
       frozen teachers (MMOPD, `teachers` of them, all resident): each its shard at the compute dtype (2 P_r under
       bf16; on the host with teacher_offload), plus their scoring pass's float32 logits chunk (4,096 tokens x V x 3);
@@ -121,7 +121,7 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
         state_key: 0 if a.cpu_offload else states,
         "gathered params (root + 2 layers)": (root + 2 * layer) * cb + max(root, layer) * 4,
         "activations": acts,
-        "logits (+ grad; fp32 work chunked)": tokens * V * 2 * cb + min(tokens, 4096) * V * 10,
+        "logits (one 4,096-token chunk, + grad, fp32 work)": min(tokens, 4096) * V * (2 * cb + 10),
         "reference model": 4 * P_r if ref_model else 0,
         "hf engine (unsharded copy)": n_total * cb if a.backend == "hf" and world > 1 else 0,
     }

@@ -24,6 +24,7 @@ teacher of its domain.
 A script gets the same flags and per-preset defaults as every other by calling add_scale_flags and add_step_flags.
 """
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -196,16 +197,20 @@ def pack(episodes, pad_id: int) -> dict:
     return dict(p_ids=p_ids, p_attn=p_attn, rows=torch.tensor(rows), c_ids=c_ids, c_attn=c_attn, mask=mask, slp=slp)
 
 
-def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096, extra_ids=None):
+def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: int = 4096, extra_ids=None,
+                      head=None):
     """log softmax(logits / temperature) at the targets: (B, T, V), (B, T) -> (B, T); with extra_ids (B, T, k), also
     the log-probs at those ids -> ((B, T), (B, T, k)) (a distillation loss reads the policy at a teacher's top
     tokens). Computed a time chunk of about chunk_tokens tokens at a time, each chunk checkpointed: its float32
     copy, log-softmax and gradient are rebuilt in the backward pass instead of kept, so the logits are held once,
     at their own dtype (about 2 bytes per vocabulary entry under bf16, and their gradient, instead of ~10 bytes;
     for 4 x 8192 tokens of Qwen3-8B, 46 -> 24 GiB per rank).
+    With head (a function hidden -> logits, the model's output head), `logits` are the final hidden states (B, T, h)
+    and each chunk's logits are built inside its checkpoint too: the (B, T, V) logits never exist whole, forward or
+    backward (the head's matmul runs twice per chunk: ~2 B T h V more FLOPs, e.g. +6% for Qwen3-1.7B's update).
     Values and gradients equal the one-piece computation up to float rounding (tested)."""
     def piece(x, y, z=None):
-        x = x.float()
+        x = (x if head is None else head(x)).float()
         if temperature > 0 and temperature != 1.0:
             x = x / temperature
         if z is None:
@@ -214,16 +219,50 @@ def selected_logprobs(logits, targets, temperature: float = 1.0, chunk_tokens: i
         return x.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1), x.gather(-1, z) - lse
     step = max(1, chunk_tokens // max(1, logits.size(0)))
     args = (logits, targets) if extra_ids is None else (logits, targets, extra_ids)
-    if logits.size(1) <= step:
+    if logits.size(1) <= step and head is None:
         return piece(*args)
     from torch.utils.checkpoint import checkpoint
+    grad = torch.is_grad_enabled() and (logits.requires_grad or head is not None)
     out = []
-    for s in range(0, logits.size(1), step):
+    for s in range(0, max(1, logits.size(1)), step):
         chunk = [t[:, s: s + step] for t in args]
-        out.append(checkpoint(piece, *chunk, use_reentrant=False) if logits.requires_grad else piece(*chunk))
+        out.append(checkpoint(piece, *chunk, use_reentrant=False) if grad else piece(*chunk))
     if extra_ids is None:
         return torch.cat(out, 1)
     return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
+
+
+@contextlib.contextmanager
+def head_replaced(model, fn):
+    """While inside, the model's output head returns fn(hidden states, head) instead of its logits: it still runs
+    inside the model's forward, where FSDP2 has gathered the head's weights (and registered its gradient's
+    reduce-scatter), so a caller can read what it needs from the hidden states without building the full logits.
+    -> False (nothing replaced) when fn is None or the head is not a plain Linear (e.g. a LoRA-adapted head): the
+    caller then takes the logits as they are."""
+    head = model.get_output_embeddings()
+    if fn is None or type(head) is not torch.nn.Linear:
+        yield False
+        return
+    head.forward = lambda h: fn(h, head)
+    try:
+        yield True
+    finally:
+        del head.forward
+
+
+def head_logprobs(targets, temperature: float, extra_ids=None, chunk_tokens: int = 4096):
+    """fn for head_replaced: the first T = targets.size(1) positions' log-probs of the targets, computed from the
+    hidden states by selected_logprobs(head=...), as one (B, T) tensor, or (B, T, 1 + k) with extra_ids (the
+    target's log-prob first): a model's output is one tensor. split_logprobs undoes it."""
+    def fn(h, head):
+        lp = selected_logprobs(h[:, : targets.size(1)], targets, temperature, chunk_tokens, extra_ids,
+                               head=lambda z: torch.nn.functional.linear(z, head.weight, head.bias))
+        return lp if extra_ids is None else torch.cat([lp[0].unsqueeze(-1), lp[1]], -1)
+    return fn
+
+
+def split_logprobs(out, extra_ids):
+    return out if extra_ids is None else (out[..., 0], out[..., 1:])
 
 
 def whole_sequences(b: dict) -> tuple:
@@ -234,33 +273,46 @@ def whole_sequences(b: dict) -> tuple:
     return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
 
 
-def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None):
+def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None, fused: bool = True,
+                   chunk_tokens: int = 4096):
     """(B, Tc) log-prob of every completion token, logits divided by the sampling temperature so trainer
     and sampler score the same distribution; with extra_ids (B, Tc, k) also the log-probs at those ids, (B, Tc, k).
     Each distinct prompt runs once and its KV cache is shared by its samples (the gradients of all of them flow
-    back into it); under activation checkpointing, which has no cache, prompt and completion run as one sequence."""
+    back into it); under activation checkpointing, which has no cache, prompt and completion run as one sequence.
+    fused (the default): the output head computes the log-probs chunk by chunk from the hidden states
+    (head_replaced), so the (B, Tc, V) logits are never held; fused=False takes the model's logits (the reference
+    the tests and bench/logprob_memory.py compare against). chunk_tokens: the tokens of one chunk of logits."""
     p_ids, p_attn, rows, c_ids, c_attn = b["p_ids"], b["p_attn"], b["rows"], b["c_ids"], b["c_attn"]
     if uses_activation_checkpointing(model):
         ids, attn, pos = whole_sequences(b)
-        # logits only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                       logits_to_keep=c_ids.size(1) + 1).logits[:, :-1]                       # (B, Tc, V)
-        return selected_logprobs(logits, c_ids, temperature, extra_ids=extra_ids)
+        # only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
+        keep = dict(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=c_ids.size(1) + 1)
+        fn = head_logprobs(c_ids, temperature, extra_ids, chunk_tokens) if fused else None
+        with head_replaced(model, fn) as in_head:
+            out = model(**keep).logits
+        if in_head:
+            return split_logprobs(out, extra_ids)
+        return selected_logprobs(out[:, :-1], c_ids, temperature, chunk_tokens, extra_ids)   # logits (B, Tc, V)
     from transformers import DynamicCache
     cache = DynamicCache()
     kv = {cache_kwarg(model): cache}
     p_pos = (p_attn.cumsum(-1) - 1).clamp(min=0)                                              # (U, Tp)
     last = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1,
-                 **kv).logits[:, -1]                                                          # (U, V)
+                 **kv).logits[:, -1]                                                          # (U, V): small
     cache.batch_select_indices(rows)                                                          # U -> B rows
     attn = torch.cat([p_attn[rows], c_attn], 1)                                               # (B, Tp + Tc)
     pos = p_attn.sum(-1)[rows, None] + torch.arange(c_ids.size(1), device=c_ids.device)       # (B, Tc)
-    out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv).logits
     # position t predicts c_ids[:, t]: the prompt's last logits for t = 0, the completion's own after that
-    first = selected_logprobs(last[rows, None], c_ids[:, :1], temperature,
-                              extra_ids=None if extra_ids is None else extra_ids[:, :1])
-    rest = selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature,
-                             extra_ids=None if extra_ids is None else extra_ids[:, 1:])
+    first = selected_logprobs(last[rows, None], c_ids[:, :1], temperature, chunk_tokens,
+                              None if extra_ids is None else extra_ids[:, :1])
+    rest_ids = None if extra_ids is None else extra_ids[:, 1:]
+    fn = head_logprobs(c_ids[:, 1:], temperature, rest_ids, chunk_tokens) if fused else None
+    with head_replaced(model, fn) as in_head:
+        out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv).logits
+    if in_head:
+        rest = split_logprobs(out, rest_ids)
+    else:
+        rest = selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature, chunk_tokens, rest_ids)
     if extra_ids is None:
         return torch.cat([first, rest], 1)                                                    # (B, Tc)
     return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)               # (B, Tc), (B, Tc, k)
@@ -342,17 +394,16 @@ def teacher_pass(model, b: dict, q: int, temperature: float = 1.0, chunk_tokens:
     model's forward, where FSDP2 has gathered the head's weights), so the full logits are never built."""
     c_ids = b["c_ids"]
     ids, attn, pos = whole_sequences(b)
-    head, res = model.get_output_embeddings(), {}
+    res = {}
 
-    def scorer(h):   # positions Tp - 1 ... Tp + Tc - 2 predict the completion; the last one predicts nothing
+    def scorer(h, head):   # positions Tp - 1 ... Tp + Tc - 2 predict the completion; the last one predicts nothing
         res.update(head_scores(h[:, :-1], lambda z: torch.nn.functional.linear(z, head.weight, head.bias), c_ids, q,
                                temperature, chunk_tokens))
         return h.new_zeros((h.size(0), h.size(1), 1))
-    head.forward = scorer
-    try:
-        model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=c_ids.size(1) + 1)
-    finally:
-        del head.forward
+    with head_replaced(model, scorer) as swapped:
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=c_ids.size(1) + 1)
+    if not swapped:   # an adapted head: score its logits
+        res = head_scores(out.logits[:, :-1], lambda z: z, c_ids, q, temperature, chunk_tokens)
     return res
 
 

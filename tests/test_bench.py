@@ -195,3 +195,15 @@ def test_tiny_sizes_smoke(tmp_path):
     p = subprocess.run([sys.executable, "bench/tiny_sizes.py", "--sizes", "2m"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode != 0 and p.stderr.strip() == "error: unknown size '2m' (of 1m, 3m, 6m, 12m)"
+
+
+# ----------------------------------------------------------------------------- bench/logprob_memory.py
+def test_logprob_memory_smoke(tmp_path):
+    """Both paths measured, each in its own process: the fused head keeps less for backward than the logits path
+    (the (B, T, V) logits and their log-softmax are what it no longer holds)."""
+    out = bench(tmp_path, "bench/logprob_memory.py", "--smoke", "--threads", "1")
+    rows = table(out)
+    assert rows["path"] == ["saved for backward", "peak above start", "aten ops", "seconds"]
+    mib = {p: float(rows[p][0].split()[0]) for p in ("logits", "fused")}
+    assert 0 < mib["fused"] < mib["logits"], out
+    assert "fused / logits: saved" in out

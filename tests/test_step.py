@@ -190,3 +190,61 @@ def test_the_prompts_of_a_step_do_not_depend_on_the_world_size():
             out.append(sorted(j for r in range(world) for j in batch[r::world]))
         return out
     assert step_prompts(1) == step_prompts(2) == step_prompts(4)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_fused_head_gives_the_logits_path_values_and_gradients(ckpt, tied):
+    """token_logprobs with the output head computing the log-probs chunk by chunk (the default, the (B, T, V) logits
+    never held) equals the model's-logits path: values, the log-probs at extra ids (a distillation loss's) and every
+    gradient, on the shared-prompt path and under activation checkpointing, tied and untied heads, chunks of 7
+    tokens (one position per chunk for 4 episodes); the head is the plain Linear again afterwards."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from acl.common import checkpoint_activations
+    from envs.rollout import Episode
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**dict(CFG, tie_word_embeddings=tied))).train()
+    if ckpt:
+        checkpoint_activations(model)
+    eps = [Episode("a", "math", "train", k, [5, 6, 7, 8] + c, [0] * 4 + [1] * len(c), [0.0] * (4 + len(c)), 4)
+           for k, c in enumerate([[9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [12, 13], [14, 15, 16, 17]])]
+    eps.append(Episode("b", "math", "train", 0, [20, 21] + [22, 23], [0, 0, 1, 1], [0.0] * 4, 2))
+    b = acl.step.pack(eps, 0)
+    extra = torch.randint(0, 64, b["c_ids"].shape + (3,))
+    w = torch.rand(b["c_ids"].shape)
+    out = {}
+    for fused in (False, True):
+        model.zero_grad()
+        lp, ex = acl.step.token_logprobs(model, b, temperature=0.8, extra_ids=extra, fused=fused, chunk_tokens=7)
+        ((lp * w * b["mask"]).sum() + (ex.exp() * b["mask"][..., None]).sum()).backward()
+        out[fused] = (lp.detach() * b["mask"], ex.detach() * b["mask"][..., None],
+                      {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert type(model.get_output_embeddings().forward).__name__ == "method"       # the Linear's own forward again
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    assert torch.allclose(out[True][1], out[False][1], atol=1e-5)
+    for n, g in out[False][2].items():
+        assert torch.allclose(out[True][2][n], g, atol=1e-5), n
+
+
+def test_a_lora_policy_takes_the_fused_head_and_its_frozen_weights_get_no_gradient():
+    """mle.py's expert: the peft-wrapped policy's head is still a plain Linear, so the fused path serves it; only the
+    adapter's weights get gradients, and they equal the logits path's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from envs.rollout import Episode
+    torch.manual_seed(0)
+    model = get_peft_model(Qwen3ForCausalLM(Qwen3Config(**CFG)), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                               init_lora_weights=False))
+    eps = [Episode("a", "math", "train", k, [5, 6, 7] + c, [0] * 3 + [1] * len(c), [0.0] * (3 + len(c)), 3)
+           for k, c in enumerate([[9, 10, 11], [12, 13]])]
+    b = acl.step.pack(eps, 0)
+    grads = {}
+    for fused in (False, True):
+        model.zero_grad()
+        (acl.step.token_logprobs(model, b, fused=fused) * b["mask"]).sum().backward()
+        grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True] and all("lora_" in n for n in grads[True])
+    assert grads[True].keys() == grads[False].keys()
+    assert all(torch.allclose(grads[True][n], grads[False][n], atol=1e-5) for n in grads[True])
