@@ -103,6 +103,9 @@ class AdapterOff(torch.nn.Module):
     def get_base_model(self):
         return self.inner[0].get_base_model()
 
+    def get_output_embeddings(self):   # the backbone's head (the adapter never touches it): the fused head serves it
+        return self.inner[0].get_output_embeddings()
+
     @property
     def is_gradient_checkpointing(self):
         return common.uses_activation_checkpointing(self.get_base_model())

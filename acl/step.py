@@ -238,8 +238,8 @@ def head_replaced(model, fn):
     inside the model's forward, where FSDP2 has gathered the head's weights (and registered its gradient's
     reduce-scatter), so a caller can read what it needs from the hidden states without building the full logits.
     -> False (nothing replaced) when fn is None or the head is not a plain Linear (e.g. a LoRA-adapted head): the
-    caller then takes the logits as they are."""
-    head = model.get_output_embeddings()
+    caller then takes the logits as they are (so does a model wrapper without get_output_embeddings)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
     if fn is None or type(head) is not torch.nn.Linear:
         yield False
         return
