@@ -201,7 +201,7 @@ def test_tiny_sizes_smoke(tmp_path):
 def test_logprob_memory_smoke(tmp_path):
     """Both paths measured, each in its own process: the fused head keeps less for backward than the logits path
     (the (B, T, V) logits and their log-softmax are what it no longer holds)."""
-    out = bench(tmp_path, "bench/logprob_memory.py", "--smoke", "--threads", "1")
+    out = bench(tmp_path, "bench/logprob_memory.py", "--smoke", "--threads", "1", timeout=600)   # two processes
     rows = table(out)
     assert rows["path"] == ["saved for backward", "peak above start", "aten ops", "seconds"]
     mib = {p: float(rows[p][0].split()[0]) for p in ("logits", "fused")}
