@@ -253,7 +253,7 @@ def head_replaced(model, fn):
 def head_logprobs(targets, temperature: float, extra_ids=None, chunk_tokens: int = 4096):
     """fn for head_replaced: the first T = targets.size(1) positions' log-probs of the targets, computed from the
     hidden states by selected_logprobs(head=...), as one (B, T) tensor, or (B, T, 1 + k) with extra_ids (the
-    target's log-prob first): a model's output is one tensor. split_logprobs undoes it."""
+    target's log-prob first): a model's output is one tensor. forward_logprobs splits it."""
     def fn(h, head):
         lp = selected_logprobs(h[:, : targets.size(1)], targets, temperature, chunk_tokens, extra_ids,
                                head=lambda z: torch.nn.functional.linear(z, head.weight, head.bias))
@@ -261,7 +261,14 @@ def head_logprobs(targets, temperature: float, extra_ids=None, chunk_tokens: int
     return fn
 
 
-def split_logprobs(out, extra_ids):
+def forward_logprobs(model, kw: dict, targets, temperature: float, extra_ids, fused: bool, chunk_tokens: int):
+    """model(**kw)'s log-probs of `targets` at its first targets.size(1) positions (and at extra_ids): through the
+    fused head (head_logprobs) where it applies and `fused`, else from the model's logits."""
+    fn = head_logprobs(targets, temperature, extra_ids, chunk_tokens) if fused else None
+    with head_replaced(model, fn) as in_head:
+        out = model(**kw).logits
+    if not in_head:
+        return selected_logprobs(out[:, : targets.size(1)], targets, temperature, chunk_tokens, extra_ids)
     return out if extra_ids is None else (out[..., 0], out[..., 1:])
 
 
@@ -287,12 +294,7 @@ def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None, fus
         ids, attn, pos = whole_sequences(b)
         # only where they are needed: positions Tp - 1 ... Tp + Tc - 2 predict the completion
         keep = dict(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=c_ids.size(1) + 1)
-        fn = head_logprobs(c_ids, temperature, extra_ids, chunk_tokens) if fused else None
-        with head_replaced(model, fn) as in_head:
-            out = model(**keep).logits
-        if in_head:
-            return split_logprobs(out, extra_ids)
-        return selected_logprobs(out[:, :-1], c_ids, temperature, chunk_tokens, extra_ids)   # logits (B, Tc, V)
+        return forward_logprobs(model, keep, c_ids, temperature, extra_ids, fused, chunk_tokens)
     from transformers import DynamicCache
     cache = DynamicCache()
     kv = {cache_kwarg(model): cache}
@@ -305,14 +307,9 @@ def token_logprobs(model, b: dict, temperature: float = 1.0, extra_ids=None, fus
     # position t predicts c_ids[:, t]: the prompt's last logits for t = 0, the completion's own after that
     first = selected_logprobs(last[rows, None], c_ids[:, :1], temperature, chunk_tokens,
                               None if extra_ids is None else extra_ids[:, :1])
-    rest_ids = None if extra_ids is None else extra_ids[:, 1:]
-    fn = head_logprobs(c_ids[:, 1:], temperature, rest_ids, chunk_tokens) if fused else None
-    with head_replaced(model, fn) as in_head:
-        out = model(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv).logits
-    if in_head:
-        rest = split_logprobs(out, rest_ids)
-    else:
-        rest = selected_logprobs(out[:, :-1], c_ids[:, 1:], temperature, chunk_tokens, rest_ids)
+    rest = forward_logprobs(model, dict(input_ids=c_ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv),
+                            c_ids[:, 1:], temperature, None if extra_ids is None else extra_ids[:, 1:], fused,
+                            chunk_tokens)
     if extra_ids is None:
         return torch.cat([first, rest], 1)                                                    # (B, Tc)
     return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)               # (B, Tc), (B, Tc, k)
