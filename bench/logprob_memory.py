@@ -66,8 +66,7 @@ def one_path(a) -> dict:
         saved[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-        model.zero_grad(set_to_none=True)
-        (token_logprobs(model, b, fused=a.path == "fused", chunk_tokens=a.chunk_tokens) * b["mask"]).sum().backward()
+        step()
     model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
