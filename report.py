@@ -44,7 +44,7 @@ from acl.common import (
     usage_exit,
     write_file_atomically,
 )
-from acl.forgetting import METRIC_NAMES, accuracy_matrix, load_results, matrix_table
+from acl.forgetting import METRIC_NAMES, accuracy_matrix, load_results, matrix_table, standard_error
 from envs import DOMAINS
 from envs.base import UsageError
 
@@ -86,7 +86,7 @@ def cell(rec, domain, split="test"):
     if not b:
         return None, None, None
     per = dict(zip(b["task_ids"], b["per_task"])) if b.get("per_task") else None
-    return b["mean"], _se(list(per.values())) if per else None, per
+    return b["mean"], standard_error(list(per.values())) if per else None, per
 
 
 def fmt(x, se=None, nd=3):
@@ -207,7 +207,7 @@ class Scores:
 
     def se(self, c, col):
         x = self._get(c, col)
-        return None if x is None else _se(list(x.values())) if isinstance(x, dict) else x[1]
+        return None if x is None else standard_error(list(x.values())) if isinstance(x, dict) else x[1]
 
     def diff(self, a, b, col):
         """b − a on `col`: (difference, SE), paired over the tasks when both have the same ones; (None, None) when
@@ -217,13 +217,9 @@ class Scores:
             return None, None
         if isinstance(x, dict) and isinstance(y, dict) and set(x) == set(y):
             d = [y[t] - x[t] for t in x]
-            return statistics.mean(d), _se(d)
+            return statistics.mean(d), standard_error(d)
         sa, sb = self.se(a, col), self.se(b, col)
         return self.mean(b, col) - self.mean(a, col), None if sa is None or sb is None else math.hypot(sa, sb)
-
-
-def _se(values):
-    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
 
 
 # ----------------------------------------------------------------------------- the findings, criteria fixed here
@@ -959,9 +955,9 @@ def routing_section(runs: list, recs_by_seed: list) -> list:
                     accs.append((1 - len(wrong) / len(b["routed_to"]), None))
                     n_wrong.append(len(wrong))
                     diffs = [tag["per_task"][i] - b["per_task"][i] for i in wrong]
-                    costs.append((statistics.mean(diffs), _se(diffs)) if diffs else (None, None))
+                    costs.append((statistics.mean(diffs), standard_error(diffs)) if diffs else (None, None))
                     all_d = [y - x for x, y in zip(tag["per_task"], b["per_task"])]
-                    overall.append((statistics.mean(all_d), _se(all_d)))
+                    overall.append((statistics.mean(all_d), standard_error(all_d)))
                 if not accs:
                     continue
                 got = [c for c in costs if c[0] is not None]

@@ -84,7 +84,8 @@ def domain_cell(results, domain, metric: str = "score"):
     return None, None
 
 
-def _se(values):
+def standard_error(values):
+    """The standard error of a mean over `values` (per-task scores or paired differences); None for fewer than 2."""
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
 
 
@@ -96,7 +97,7 @@ def paired_difference(x, y):
         return None, None
     if x[1] and y[1] and set(x[1]) == set(y[1]):
         d = [y[1][t] - x[1][t] for t in x[1]]
-        return statistics.mean(d), _se(d)
+        return statistics.mean(d), standard_error(d)
     return y[0] - x[0], None
 
 
@@ -134,7 +135,7 @@ def accuracy_matrix(stage_results, base_results, domains, metric: str = "score")
     rows = ["base"] + [name for name, _, _ in stage_results]
     cells = [[domain_cell(r, d, metric) for d in domains] for r in [base_results] + [r for _, _, r in stage_results]]
     a = [[c[0] for c in row] for row in cells]
-    se = [[_se(list(c[1].values())) if c[1] else None for c in row] for row in cells]
+    se = [[standard_error(list(c[1].values())) if c[1] else None for c in row] for row in cells]
     T = len(rows) - 1
     t = {d: i + 1 for i, d in enumerate(learned) if d in domains}
     gain, forgetting, forgetting_se, bwt, fwt, fmean = {}, {}, {}, [], [], []
