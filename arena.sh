@@ -102,8 +102,8 @@ LANES=${LANES:-2}
 PROGRESS=${PROGRESS:-60}   # seconds between the progress lines of the steps running in lanes
 [ "$ARENA" = tiny ] || LANES=1
 [ "$LANES" -gt 1 ] && export OMP_NUM_THREADS=1
-STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-learned
-       evaluate-mle-request evaluate-runs evaluate-oracles analyze evaluate-consolidators evaluate-mixed)
+STEPS=(seq oracles analyze-seq merge-uniform merge-grid merge-balanced mmopd sdft mle evaluate-mle-tag
+       evaluate-mle-learned evaluate-mle-request evaluate-runs evaluate-oracles analyze evaluate-consolidators evaluate-mixed)
 if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
     for c in self none; do STEPS+=("law-$c" "law-$c-analyze" "law-$c-evaluate"); done
 fi
@@ -228,13 +228,15 @@ mmopd() { t mmopd $RUN mmopd.py --preset "$ARENA" $Q_MMOPD $TRAIN_ARGS; }
 # 6c. MLE: the SDFT student frozen as the backbone, one LoRA expert per domain trained with GRPO on its own domain
 #    (a k3 KL to the backbone), the learned router fitted on the backbone's prompt features, and each expert also
 #    merged into a full checkpoint -> runs/tiny/mle/experts/<domain>, runs/tiny/mle/router.pt, runs/tiny/mle-merged/ (~5 min)
-#    and MLE routed by each of its learned routers evaluated as 8a does: on the prompt as the policy sees it
-#    (eval/mle-learned.json, ~3.5 min) and on the user's request alone, without tag, system prompt or tools
-#    (eval/mle-request.json, ~3.5 min; issue 42's routing without tags)
+#    and MLE evaluated as 8a does, routed by tag (eval/mle.json, ~4 min), then by each of its learned routers: on the
+#    prompt as the policy sees it (eval/mle-learned.json) and on the user's request alone, without tag, system prompt
+#    or tools (eval/mle-request.json; issue 42's routing without tags); a benchmark whose every task a router sends
+#    where the tag did is copied from eval/mle.json, exactly what sampling it again gives (seconds; ~4 min a router
+#    that misroutes everywhere)
 mle() {
     t mle $RUN mle.py --preset "$ARENA" --router learned --export merged $Q_MLE $TRAIN_ARGS
     local r
-    for r in learned request; do
+    for r in tag learned request; do
         t "evaluate-mle-$r" python evaluate.py --resume --suite "$SUITE" --backend "$EVAL_BACKEND" ${N_EVAL:+--n $N_EVAL} \
             $EVAL_ARGS --out-dir "$RUNS/eval" --ckpt "$RUNS/mle" --router "$r"
     done

@@ -189,7 +189,8 @@ def load_benchmarks(suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=Non
 
 def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "ood"), n=None, seeds=1, k=None,
                    temperature=1.0, batch=64, max_tokens=None, max_turn_tokens=None, env_opts=None, backend=None,
-                   sources=None, benchmarks=None, tasks=None, label="", gold=True, episodes=None, route=None) -> dict:
+                   sources=None, benchmarks=None, tasks=None, label="", gold=True, episodes=None, route=None,
+                   reuse=None) -> dict:
     """Score an in-memory model on a suite: {benchmark: {mean, std, n, k, seeds, per_seed, metrics,
     response_tokens (policy-sampled tokens per episode), wall_s, task_ids, per_task, gold}}.
 
@@ -211,6 +212,10 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
         ranks forever); deterministic, seconds.
     episodes: a dict to collect every scored episode into, {benchmark: [envs.rollout.episode_record, ...]}.
     route: an MLE router, route(env, task) -> the LoRA adapter directory the task is sampled (and gold-scored) with.
+    reuse: (name, {benchmark: result}) of the same MLE directory routed by tag, same tasks and settings: a benchmark
+        whose tasks this router sends to the same experts as the tag did is copied from it (marked reused_from: name),
+        not sampled again. Exact: the same weights, adapters, tasks, seeds and batches sample the same episodes (a
+        rollout reseeds itself; an adapter's first use does not move the stream: tests/test_mle.py).
     The model is put in eval mode and its training mode restored; the global torch RNG is restored too, so
     evaluating in the middle of training does not change the training's random stream."""
     defaults = SUITE_DEFAULTS[suite] if suite in SUITES else {}
@@ -235,6 +240,11 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                 per_seed, per_seed_metrics, lengths, t0 = [], [], [], time.time()
                 per_task = [0.0] * len(items)
                 adapters = [route(env, t) for t in items] if route else None   # an expert's dir ends in its domain
+                prior = reuse[1].get(name) if reuse and adapters else None
+                if prior and prior.get("routed_to") == [os.path.basename(x.rstrip(os.sep)) for x in adapters]:
+                    results[name] = dict(prior, reused_from=reuse[0], wall_s=0.0)
+                    print0(f"{label}{name}: every task routed as by {reuse[0]}: its scores reused")
+                    continue
                 for s in seed_list:
                     t1 = time.time()
                     eps = rollout(backend, tok, [(env, t) for t in items], kk, temp, max_tokens=max_tokens,
@@ -384,7 +394,7 @@ def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
     benchmarks}. ckpt_id: the checkpoint's identity (common.identity), scoring_code: scoring_code()'s hash."""
     t0 = t0 or time.time()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
-    settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label", "route")}
+    settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label", "route", "reuse")}
     return {"ckpt": path, "ckpt_id": identity(path), "suite": suite, "settings": settings,
             "wall_s": round(time.time() - t0, 1), "code_revision": code_revision(), "scoring_code": scoring_code(),
             "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmarks": benchmarks}
@@ -816,6 +826,7 @@ def evaluate_all(a, r, settings) -> dict:
             continue
         episodes = {} if a.save_episodes else None
         twin = None if record else next((p for p in evaluated if episodes is None and same_weights(p, path)), None)
+        tag = tag_record(path, name, out, plain, a) if not record and not twin else None
         if record:
             print0(f"[{name}] our harness's scores kept from {out}; lm-eval's to add")
         elif twin:   # e.g. oracle/math = seq/1-math: the same start, data and seed give the same weights
@@ -827,7 +838,7 @@ def evaluate_all(a, r, settings) -> dict:
                                    seeds=a.seeds, k=a.k, temperature=a.temperature, batch=a.batch,
                                    max_tokens=settings["max_tokens"], max_turn_tokens=settings["max_turn_tokens"],
                                    tasks=r["tasks"], label=f"[{name}] ", gold=settings["gold"], episodes=episodes,
-                                   sleep_after=lm_settings is not None)
+                                   sleep_after=lm_settings is not None, reuse=tag)
             record["settings"] = settings
         if lm_settings is not None and record.get("lm_eval_settings") != lm_settings:
             record = dict(record, benchmarks_lm_eval=lm_eval_scores(path, lm_settings, label=f"[{name}] "),
@@ -842,6 +853,21 @@ def evaluate_all(a, r, settings) -> dict:
                f"{eta(t_start, i, len(r['ckpts']) - i)}")
         named[name] = evaluated[path] = record
     return named
+
+
+def tag_record(path, name, out, settings, a):
+    """For an MLE directory evaluated with a router other than the tag (--router learned|request, not --router-mix):
+    (the record's name, its benchmarks) of the same directory routed by tag, saved beside `out` by this scoring code
+    with these settings (arena.sh evaluates it first), for evaluate_model's reuse; else None."""
+    if not routing.is_mle(path) or a.router == "tag" or a.router_mix or a.save_episodes:
+        return None
+    tag_name = name[: -len(f"-{a.router}")]
+    tag_out = os.path.join(os.path.dirname(out), f"{tag_name}.json")
+    done = load_results(tag_out) if os.path.isfile(tag_out) else None
+    if not done or done.get("router") != "tag" or done.get("settings") != settings or \
+            (done.get("ckpt"), done.get("ckpt_id"), done.get("scoring_code")) != (path, identity(path), scoring_code()):
+        return None
+    return tag_name, done["benchmarks"]
 
 
 def launch_workers(a, r) -> dict:

@@ -54,7 +54,8 @@ def test_quick_arena_killed_and_resumed_runs_every_step_and_reports(quick):
     assert "[seq/4-if] finished before, skipping" in open(runs / "logs" / "seq.log").read()
     steps = {line.split()[0] for line in open(runs / "arena_times.md") if re.match(r"^[a-z-]+ +\d+ s$", line.strip())}
     assert {"seq", "oracles", "analyze-seq", "merge-uniform", "merge-grid", "merge-balanced", "sdft", "mle", "mmopd",
-            "analyze", "evaluate-runs", "evaluate-oracles", "evaluate-consolidators", "evaluate-mle-learned", "evaluate-mle-request",
+            "analyze", "evaluate-runs", "evaluate-oracles", "evaluate-consolidators", "evaluate-mle-tag", "evaluate-mle-learned",
+            "evaluate-mle-request",
             "evaluate-mixed"} <= steps
     text = open(runs / "report.md").read()
     for row in report.ROWS:

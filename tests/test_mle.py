@@ -314,6 +314,40 @@ def test_evaluate_routes_by_tag_and_by_the_learned_routers(done, tmp_path):
         assert router != "tag" or b["routed_to"] == ["math"] * 3
 
 
+def test_a_router_reuses_the_tag_records_benchmarks_it_routes_alike_and_samples_the_rest(done, tmp_path):
+    """evaluate.py --router learned beside the tag-routed record of the same MLE directory (arena.sh evaluates it
+    first): a benchmark whose every task goes to the expert the tag chose is copied (reused_from), and equals a fresh
+    evaluation with nothing to reuse, per task and gold; one routed otherwise (here a tag record edited to disagree
+    on search) is sampled anew; a tag record of other settings is not used."""
+    out, _ = done
+    args = ["--ckpt", out, "--domains", "math,search", "--splits", "test", "--n", "3", "--threads", "1"]
+    fresh, beside = tmp_path / "fresh", tmp_path / "beside"
+    for router, d in (("learned", fresh), ("tag", beside)):
+        r = run([*args, "--router", router, "--out-dir", str(d)], script="evaluate.py")
+        assert r.returncode == 0, r.stderr[-3000:]
+    tag_path = beside / "mle.json"
+    tag = json.load(open(tag_path))
+    want = json.load(open(fresh / "mle-learned.json"))["benchmarks"]
+    agree = [b for b in want if want[b]["routed_to"] == tag["benchmarks"][b]["routed_to"]]
+    assert "math/test" in agree   # the tiny learned router sends these math tasks to the math expert
+    tag["benchmarks"]["search/test"]["routed_to"] = ["nowhere"] * 3   # as if the tag had routed search elsewhere
+    tag_path.write_text(json.dumps(tag))
+    r = run([*args, "--router", "learned", "--out-dir", str(beside)], script="evaluate.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.load(open(beside / "mle-learned.json"))["benchmarks"]
+    for b in want:
+        reused = b in agree and b != "search/test"
+        assert (got[b].get("reused_from") == "mle") == reused, b
+        assert got[b]["per_task"] == want[b]["per_task"] and got[b]["gold"] == want[b]["gold"], b
+    # other settings (--n 2): nothing reused
+    other = tmp_path / "other"
+    for router in ("tag", "learned"):
+        n2 = [*args[:-4], "--n", "2", "--threads", "1"] if router == "learned" else [*args]
+        r = run([*n2, "--router", router, "--out-dir", str(other)], script="evaluate.py")
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert not any("reused_from" in b for b in json.load(open(other / "mle-learned.json"))["benchmarks"].values())
+
+
 def test_the_request_router_never_sees_the_tag_system_prompt_or_tools(tiny):
     """What the request router reads of a task with a system prompt naming its domain, the search tool and its tag is
     exactly what it reads of the same request that never had them; the learned router's input differs."""
