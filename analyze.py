@@ -30,6 +30,8 @@ the vocabulary at each agent position, per agent token with its SE over episodes
 earlier domains' drops against it.
 
 Writes runs/<preset>/analysis/: analysis.json (every number), pca.png, cosine.png, token_consistency.png.
+--resume keeps an analysis.json computed from the same checkpoints (by identity), settings and code: a restarted
+arena.sh does not compute it again.
 
 Differences from the paper:
 1. Consistency asks whether the reference's top-1 token is still ranked first (the reference's sampled
@@ -38,6 +40,7 @@ Differences from the paper:
 """
 import argparse
 import glob
+import json
 import os
 import time
 
@@ -47,6 +50,7 @@ import torch
 from acl.common import (
     Parser,
     check_writable,
+    identity,
     is_checkpoint,
     pyplot,
     read_header,
@@ -426,6 +430,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output directory (default <runs>/analysis)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the reference")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--resume", action="store_true", help="keep --out's analysis.json (and its plots) when it was "
+                   "computed from these checkpoints (by identity), settings and analysis code (arena.sh restarted)")
     p.add_argument("--device", choices=sorted(DTYPE), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="token level: where the models run (one at a time beside the reference)")
     a = p.parse_args(argv)
@@ -463,6 +469,34 @@ def reference_domain(ref: str, flag: str | None) -> str:
     return domain
 
 
+def inputs_of(a) -> dict:
+    """What analysis.json's numbers are computed from: the checkpoints by identity (one replaced in place is another),
+    the settings that change a number, and the code that computes them (this file, acl/, envs/). --resume keeps an
+    analysis.json whose recorded inputs equal these."""
+    import hashlib
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for f in [os.path.join(here, "analyze.py")] + sorted(glob.glob(os.path.join(here, "acl", "*.py"))) + \
+            sorted(glob.glob(os.path.join(here, "envs", "*.py"))):
+        h.update(os.path.relpath(f, here).encode() + b"\0" + open(f, "rb").read())
+    settings = {k: getattr(a, k) for k in ("n", "batch", "buckets", "entropy_threshold", "no_tokens", "kl_n", "seed",
+                                           "domain", "device")}
+    return {"base": identity(a.base), "ckpts": [[c, identity(c)] for c in a.ckpts],
+            "ref": None if a.no_tokens else identity(a.ref), "settings": settings, "code": h.hexdigest()[:16]}
+
+
+def kept_analysis(a, inputs: dict) -> bool:
+    """--resume: --out's analysis.json has these inputs and every plot it made is there."""
+    path = os.path.join(a.out, "analysis.json")
+    if not a.resume or not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        done = json.load(f)
+    plots = ["pca.png", "cosine.png"] + ([] if a.no_tokens else ["token_consistency.png"])
+    return done.get("inputs") == json.loads(json.dumps(inputs)) and \
+        all(os.path.isfile(os.path.join(a.out, p)) for p in plots)
+
+
 def label_of(path: str) -> str:
     return run_name(path)[1]
 
@@ -472,6 +506,10 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.time()
+    inputs = inputs_of(a)
+    if kept_analysis(a, inputs):
+        print(f"{a.out}/analysis.json: computed before from these checkpoints, settings and code: kept")
+        return
     labels = [label_of(c) for c in a.ckpts]
     try:
         grams = displacement_gram(a.base, a.ckpts, int(a.chunk_mb * 1024 ** 2))
@@ -490,7 +528,8 @@ def main(argv=None):
     result = {"base": a.base, "checkpoints": labels, "paths": a.ckpts, "norms": dict(zip(labels, norms.tolist())),
               "cosine": {g: c.tolist() for g, c in cos.items()}, "pca": dict(zip(labels, coords.tolist())),
               "pca_explained": explained.tolist(), "stage_moves": moves,
-              "pca_method": "exact kernel PCA of the unit-normalised displacements through their N x N Gram matrix"}
+              "pca_method": "exact kernel PCA of the unit-normalised displacements through their N x N Gram matrix",
+              "inputs": inputs}
     print(f"model level: {len(labels)} checkpoints against {a.base} in {time.time() - t0:.1f}s")
     print("| displacement from base | " + " | ".join(labels) + " |")
     print("|---" * (len(labels) + 1) + "|")

@@ -200,7 +200,7 @@ after() {
 # 4. why it forgets: displacement PCA/cosines of the stages and oracles, and token-level consistency of every
 #    later checkpoint with seq/1-math on math prompts -> runs/tiny/analysis/seq/ (~15 s)
 analyze_seq() {
-    t analyze-seq python analyze.py --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ \
+    t analyze-seq python analyze.py --resume --runs "$RUNS" --base "$BASE" --ckpts "$RUNS"/seq/[0-9]-*/ "$RUNS"/oracle/*/ \
         --out "$RUNS/analysis/seq" $Q_ANALYZE --kl-n 0
 }
 # 5. model merging: the four stages' task vectors added onto the base (task arithmetic), lambda chosen three
@@ -244,7 +244,7 @@ mle() {
 # 7. the analysis again with the consolidators, and the forgetting law: every move's KL(before || after) per agent
 #    token on each domain's test prompts (--kl-n 50 each; a stage's cold start and RL apart) -> runs/tiny/analysis/
 #    (~6 min)
-analyze_all() { t analyze python analyze.py --runs "$RUNS" --base "$BASE" $Q_ANALYZE; }
+analyze_all() { t analyze python analyze.py --resume --runs "$RUNS" --base "$BASE" $Q_ANALYZE; }
 # 8a. evaluation, N_EVAL tasks per split: the base and every stage, with the accuracy matrix (forgetting, BWT, FWT, its
 #    heatmap in runs/tiny/eval/; oracle/math has seq/1-math's weights, so its scores are reused) (~7 min); the other
 #    three oracles apart (~4 min)
@@ -309,7 +309,7 @@ if [ "${LAW_ABLATION:-0}" = 1 ] && [ "$ARENA" = tiny ]; then
         R=$RUNS-cold$c
         if [ $c = self ]; then COLD="--cold-start self"; else COLD="--rft-prompts 0"; fi
         t "law-$c" python train_seq.py --preset tiny $Q_SEQ --runs "$R" $COLD
-        t "law-$c-analyze" python analyze.py --runs "$R" --base "$BASE" --ckpts "$R"/seq/[0-9]-*/ --no-tokens \
+        t "law-$c-analyze" python analyze.py --resume --runs "$R" --base "$BASE" --ckpts "$R"/seq/[0-9]-*/ --no-tokens \
             --out "$R/analysis" $Q_ANALYZE
         t "law-$c-evaluate" python evaluate.py --resume --suite tiny --backend hf --n "$N_EVAL" --out-dir "$R/eval" \
             --ckpt "$R"/seq/[0-9]-{math,search,ecommerce,if}

@@ -151,6 +151,36 @@ def test_cli_end_to_end_and_an_identical_checkpoint(ckpts, tmp_path):
     assert kl[labels[2], "math"]["kl"] == pytest.approx(0, abs=1e-6) and kl[labels[1], "math"]["kl"] > 0
 
 
+def test_resume_keeps_an_analysis_of_the_same_inputs_and_redoes_one_of_others(ckpts, tmp_path):
+    """--resume (a restarted arena.sh): the same checkpoints, settings and code keep analysis.json as it is; a
+    checkpoint replaced under its path (another identity) or another setting computes it again."""
+    import shutil
+    _, base, paths = ckpts
+    moved = str(tmp_path / "c1")
+    shutil.copytree(paths[1], moved)
+    out = tmp_path / "a"
+
+    def run(*extra):
+        r = subprocess.run([sys.executable, "analyze.py", "--base", base, "--ckpts", paths[0], moved, "--no-tokens",
+                            "--kl-n", "0", "--out", str(out), "--threads", "1", *extra], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    assert "kept" not in run("--resume")   # nothing there yet
+    first = (out / "analysis.json").read_text()
+    assert "inputs" in json.loads(first)
+    assert "computed before from these checkpoints, settings and code: kept" in run("--resume")
+    assert (out / "analysis.json").read_text() == first
+    assert "kept" not in run()              # without --resume: computed again
+    assert "kept" not in run("--resume", "--seed", "1")   # another setting
+    meta = os.path.join(moved, "acl_meta.json")
+    m = json.load(open(meta))
+    m["saved_at"] = "replaced"              # the same path, another checkpoint
+    json.dump(m, open(meta, "w"))
+    assert "kept" not in run("--resume", "--seed", "1")
+
+
 def test_the_kl_estimator_against_the_exact_kl_by_enumeration(ckpts):
     """KL(before || after) between two micro models' distributions over 2-token continuations of a prompt, exactly by
     enumerating the first token (the second's KL is exact given it): the estimator on continuations sampled from
