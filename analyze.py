@@ -61,6 +61,8 @@ from acl.common import (
     save_figure,
     save_json,
     shard_files,
+    source_files,
+    source_hash,
     usage_exit,
 )
 from envs import DOMAINS, make_env
@@ -473,16 +475,11 @@ def inputs_of(a) -> dict:
     """What analysis.json's numbers are computed from: the checkpoints by identity (one replaced in place is another),
     the settings that change a number, and the code that computes them (this file, acl/, envs/). --resume keeps an
     analysis.json whose recorded inputs equal these."""
-    import hashlib
-    here = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for f in [os.path.join(here, "analyze.py")] + sorted(glob.glob(os.path.join(here, "acl", "*.py"))) + \
-            sorted(glob.glob(os.path.join(here, "envs", "*.py"))):
-        h.update(os.path.relpath(f, here).encode() + b"\0" + open(f, "rb").read())
     settings = {k: getattr(a, k) for k in ("n", "batch", "buckets", "entropy_threshold", "no_tokens", "kl_n", "seed",
                                            "domain", "device")}
     return {"base": identity(a.base), "ckpts": [[c, identity(c)] for c in a.ckpts],
-            "ref": None if a.no_tokens else identity(a.ref), "settings": settings, "code": h.hexdigest()[:16]}
+            "ref": None if a.no_tokens else identity(a.ref), "settings": settings,
+            "code": source_hash(source_files("analyze.py", "acl/*.py", "envs/*.py"))}
 
 
 def kept_analysis(a, inputs: dict) -> bool:

@@ -75,6 +75,8 @@ from acl.common import (
     print0,
     run_name,
     save_json,
+    source_files,
+    source_hash,
     usage_exit,
     write_atomically,
     write_meta,
@@ -240,8 +242,9 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                 per_seed, per_seed_metrics, lengths, t0 = [], [], [], time.time()
                 per_task = [0.0] * len(items)
                 adapters = [route(env, t) for t in items] if route else None   # an expert's dir ends in its domain
+                routed = [os.path.basename(x.rstrip(os.sep)) for x in adapters] if adapters else None
                 prior = reuse[1].get(name) if reuse and adapters else None
-                if prior and prior.get("routed_to") == [os.path.basename(x.rstrip(os.sep)) for x in adapters]:
+                if prior and prior.get("routed_to") == routed:
                     results[name] = dict(prior, reused_from=reuse[0], wall_s=0.0)
                     print0(f"{label}{name}: every task routed as by {reuse[0]}: its scores reused")
                     continue
@@ -268,7 +271,7 @@ def evaluate_model(model, tok, suite="tiny", domains=DOMAINS, splits=("test", "o
                     "response_tokens": statistics.mean(lengths), "wall_s": round(time.time() - t0, 1),
                     "task_ids": [t.id for t in items], "per_task": per_task}
                 if adapters:   # MLE: which expert served each task (a blend: its directory's name), for router accuracy
-                    results[name]["routed_to"] = [os.path.basename(x.rstrip(os.sep)) for x in adapters]
+                    results[name]["routed_to"] = routed
                 if gold:
                     ctx = getattr(model.config, "max_position_embeddings", None) or max_tokens   # the expert is never cut
                     m = len(items) if gold is True else int(gold)
@@ -499,14 +502,7 @@ def scoring_code() -> str:
     """A hash of the code that turns a checkpoint into scores: the environments (tasks, rollouts, rewards), this file,
     the engines that sample and MLE's serving. --resume keeps no record made by other scoring code (a `git pull` that changes a reward), and
     report.py puts no two in one table; a change elsewhere (training, the report) leaves it as it is."""
-    import hashlib
-    here = os.path.dirname(os.path.abspath(__file__))
-    files = [os.path.join(here, "evaluate.py")] + [os.path.join(here, "acl", f"{m}.py") for m in ("engine", "vllm", "routing")] + \
-        sorted(glob.glob(os.path.join(here, "envs", "*.py")))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(os.path.relpath(f, here).encode() + b"\0" + open(f, "rb").read())
-    return h.hexdigest()[:16]
+    return source_hash(source_files("evaluate.py", "acl/engine.py", "acl/vllm.py", "acl/routing.py", "envs/*.py"))
 
 
 def evaluate_inrun(model, tok, ckpt, runs, *, suite, n, batch, max_tokens, max_turn_tokens, env_opts, seconds,
@@ -817,9 +813,7 @@ def evaluate_all(a, r, settings) -> dict:
     plain = json.loads(json.dumps(settings))   # as a saved record holds them (tuples as lists)
     for i, (path, name, _, out) in enumerate(r["ckpts"], 1):
         done = load_results(out) if a.resume and not a.save_episodes and os.path.isfile(out) else None
-        record = done if done and done.get("settings") == plain and (done.get("ckpt"), done.get("ckpt_id"),
-                                                                      done.get("scoring_code")) == \
-            (path, identity(path), scoring_code()) else None
+        record = done if same_computation(done, path, plain) else None
         if record and (lm_settings is None or record.get("lm_eval_settings") == lm_settings):
             print0(f"[{name}] evaluated before with these settings and scoring code, from this checkpoint: {out} kept")
             named[name] = evaluated[path] = record
@@ -864,10 +858,14 @@ def tag_record(path, name, out, settings, a):
     tag_name = name[: -len(f"-{a.router}")]
     tag_out = os.path.join(os.path.dirname(out), f"{tag_name}.json")
     done = load_results(tag_out) if os.path.isfile(tag_out) else None
-    if not done or done.get("router") != "tag" or done.get("settings") != settings or \
-            (done.get("ckpt"), done.get("ckpt_id"), done.get("scoring_code")) != (path, identity(path), scoring_code()):
-        return None
-    return tag_name, done["benchmarks"]
+    return (tag_name, done["benchmarks"]) if same_computation(done, path, settings) and done.get("router") == "tag" else None
+
+
+def same_computation(done, path, settings) -> bool:
+    """A saved record (or None) made from this checkpoint, as it is now (by identity), with these settings (as a saved
+    record holds them) and this scoring code: what --resume keeps, and what a routed MLE may copy from."""
+    return bool(done) and done.get("settings") == settings and \
+        (done.get("ckpt"), done.get("ckpt_id"), done.get("scoring_code")) == (path, identity(path), scoring_code())
 
 
 def launch_workers(a, r) -> dict:
