@@ -108,6 +108,93 @@ def _preallocated_cache(n_layers: int, capacity: int):
     return Cache(layers=[Preallocated() for _ in range(n_layers)])
 
 
+class GraphDecode:
+    """HFBackend's one-token decode step at static shapes, replayed as a CUDA graph (HFBackend(graphs=True), or
+    ACL_CUDA_GRAPHS=1): at batch 64 a small model's decode step is ~1,000 kernel launches of microseconds each, so the
+    GPU waits on Python; a graph launches them all at once. A graph fixes every shape and address, so the step reads
+    static buffers: the batch's KV of C positions per layer (keys (B, heads, C, d): all C, the unfilled ones masked),
+    the token ids (B, 1), the positions (B, 1), the mask (B, 1, 1, C) and the slot (1,) where this step's keys are
+    written (index_copy_: the same column for every row, rows being left-padded). Before a replay these get the step's
+    values; after it, the engine's own cache (HFBackend's preallocated one) is pointed at the same buffers, so its kept
+    caches and row selections read what the graph wrote. A new batch size or a longer capacity captures a new graph
+    (the old one freed first); a batch whose cache lives elsewhere (a fresh prefill, a compaction) is copied in.
+    On a CPU the same static step runs eagerly (no graph): what the CPU tests check against the kept-cache path."""
+
+    ROUND = 256   # capacity rounded up to this, so batches of similar lengths share a graph
+
+    def __init__(self, model):
+        self.model, self.shape, self.graph = model, None, None
+        self.pool = torch.cuda.graph_pool_handle() if next(model.parameters()).is_cuda else None
+
+    def _build(self, cache, B, C):
+        """Static buffers for B rows of C positions, the static cache the model writes into, and the graph."""
+        from transformers.cache_utils import Cache, DynamicLayer
+
+        slot = torch.zeros(1, dtype=torch.long, device=cache.layers[0].kbuf.device)
+
+        class Static(DynamicLayer):   # this step's keys and values written at `slot`; attention reads all C positions
+            def __init__(self, keys, values):
+                super().__init__()
+                self.keys, self.values, self.is_initialized, self.device = keys, values, True, keys.device
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                self.keys.index_copy_(2, slot, key_states)
+                self.values.index_copy_(2, slot, value_states)
+                return self.keys, self.values
+
+        self.graph = None   # the old graph and buffers freed before the new ones are allocated
+        self.kv = [(torch.zeros((B, *x.kbuf.shape[1:2], C, x.kbuf.shape[-1]), dtype=x.kbuf.dtype, device=x.kbuf.device),
+                    torch.zeros((B, *x.vbuf.shape[1:2], C, x.vbuf.shape[-1]), dtype=x.vbuf.dtype, device=x.vbuf.device))
+                   for x in cache.layers]   # zeros: a masked position must still be finite (-inf + NaN is NaN)
+        dev = slot.device
+        self.ids, self.pos = torch.zeros((B, 1), dtype=torch.long, device=dev), torch.zeros((B, 1), dtype=torch.long,
+                                                                                            device=dev)
+        self.mask, self.slot, self.shape = torch.zeros((B, 1, 1, C), dtype=torch.bool, device=dev), slot, (B, C)
+        static = Cache(layers=[Static(k, v) for k, v in self.kv])
+        self.run = lambda: self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
+                                      use_cache=True, **{cache_kwarg(self.model): static}).logits[:, -1]
+        self.bound = None
+
+    def _capture(self):
+        """Warm up on a side stream (cuBLAS and the allocator settle), then record one step into the graph."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.logits = self.run()
+
+    def step(self, cache, nxt, attn, pos):
+        """The logits (B, V) after feeding nxt (B,) at positions pos (B,) onto `cache` (HFBackend's, n positions
+        filled), attn (B, n + 1) the mask with the new column; the cache then holds n + 1 positions."""
+        B, n = nxt.size(0), attn.size(1) - 1
+        if self.shape is None or self.shape[0] != B or self.shape[1] < n + 1:
+            self._build(cache, B, -(-max(n + 1, cache.layers[0].kbuf.shape[-2]) // self.ROUND) * self.ROUND)
+        if self.bound is not cache.layers[0].kbuf:   # the cache's positions into the static buffers
+            for layer, (k, v) in zip(cache.layers, self.kv):
+                k[:, :, :n], v[:, :, :n] = layer.kbuf[:, :, :n], layer.vbuf[:, :, :n]
+                layer.adopt(k, v, n)
+            self.mask.zero_()
+            self.bound = self.kv[0][0]
+        self.ids.copy_(nxt[:, None])
+        self.pos.copy_(pos[:, None])
+        self.mask[:, 0, 0, : n + 1].copy_(attn.bool())
+        self.slot.fill_(n)
+        if self.pool is None:     # a CPU: the static step, eagerly
+            logits = self.run()
+        else:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            logits = self.logits.clone()   # the graph's output buffer is overwritten by the next replay
+        for layer, (k, v) in zip(cache.layers, self.kv):
+            layer.adopt(k, v, n + 1)
+        return logits
+
+
 COMPACT = 0.25    # HFBackend.stream: ended rows leave the batch (a copy of its cache) once they are this share of it
 ADMIT = 0.5       # HFBackend.stream: waiting rows join the batch when they are at least this share of the decoding ones
 SHARED_MIN = 64   # tokens: a shorter common prefix is not split off (its merge costs about what its shared reads save)
@@ -235,8 +322,11 @@ class HFBackend:
     with_adapter keeps at most MAX_ADAPTERS adapters loaded."""
 
     def __init__(self, model, tokenizer, max_batch: int = 64, reuse_kv: bool = True, shared_attention: bool = True,
-                 kv_cap: int | None = None):
+                 kv_cap: int | None = None, graphs: bool | None = None):
         self.model, self.tok, self.max_batch, self.reuse_kv = model, tokenizer, max_batch, reuse_kv
+        # the decode step as a CUDA graph (GraphDecode; on a CPU its static step, eagerly): opt-in until measured on
+        # a GPU (ACL_CUDA_GRAPHS=1 or graphs=True); never with a shared prefix or per-prompt adapters
+        self.graphs = os.environ.get("ACL_CUDA_GRAPHS") == "1" if graphs is None else graphs
         self.shared_attention = shared_attention   # False: the model's own attention on a CPU too (a GPU run's path)
         _register_attention()
         self.kept = {}      # adapter -> {prefix length: {prefix tokens: per layer (keys, values), (heads, T, d)}}
@@ -249,6 +339,7 @@ class HFBackend:
     def forget(self):
         """Drops the kept caches, and sets the cap on them (default_kv_cap reads the free memory now, none kept)."""
         self.kept, self.shared, self.kept_bytes, self.kept_old = {}, {}, 0, 0   # _keep's counts
+        self.decoder = GraphDecode(self.model) if self.graphs else None   # its graph lives for one rollout at most
         self.cap = self.kv_cap if self.kv_cap is not None else default_kv_cap(next(self.model.parameters()).device)
 
     def _keep(self, n: int) -> bool:
@@ -282,6 +373,9 @@ class HFBackend:
         self.kept, self.kept_bytes = {}, 0
         shared, self.shared = self.shared, {}
         groups = [None] if adapters is None else list(dict.fromkeys(adapters))
+        decoder = self.decoder   # a graph replays the adapter it was captured with: none with per-prompt adapters
+        if adapters is not None:
+            self.decoder = None
         split = self.reuse_kv and self._split()   # a shared prefix kept apart
         # a bar with an ETA over the batches, on a terminal only (tqdm's disable=None) and on rank 0
         bar = tqdm(total=len(prompts), unit="seq", desc="generate", leave=False,
@@ -310,7 +404,7 @@ class HFBackend:
                         out[i], found[i] = g, None
                     del mine_found
                     bar.update(len(idx))
-        self.kept_old = 0
+        self.kept_old, self.decoder = 0, decoder
         bar.close()
         return out
 
@@ -383,16 +477,18 @@ class HFBackend:
             cache, logits, attn, pos = self._prefill_on_kept(prompts, found, max_new_tokens, dev, P, kw)
         else:
             cache, logits, attn, pos = self._prefill(prompts, max_new_tokens, dev, P, kw)
-        kv = {cache_kwarg(self.model): cache, **kw}
         live = torch.arange(len(prompts), device=dev)                   # (b,) which prompt each live row is
+        gone = torch.zeros(len(prompts), dtype=torch.bool, device=dev)  # (b,) rows stopped but still in the batch
         toks = [[] for _ in prompts]
         lps = [[] for _ in prompts]
         stopped = [False] * len(prompts)
         stops = torch.tensor(list(stop_ids), device=dev)
         for step in range(max_new_tokens):
             nxt, nxt_lp = _sample(logits, temperature)                                         # (b,), (b,)
-            done = torch.isin(nxt, stops)
-            for i, t, lp, d in zip(live.tolist(), nxt.tolist(), nxt_lp.tolist(), done.tolist()):
+            done = torch.isin(nxt, stops) & ~gone
+            for i, t, lp, d, g in zip(live.tolist(), nxt.tolist(), nxt_lp.tolist(), done.tolist(), gone.tolist()):
+                if g:
+                    continue
                 toks[i].append(t)
                 lps[i].append(lp)
                 stopped[i] = d
@@ -402,16 +498,18 @@ class HFBackend:
                     key = tuple(prompts[i]) + tuple(toks[i][:-1])
                     if key not in keep.get(len(key), {}) and self._keep(_row_bytes(cache, int(valid.sum()))):
                         keep.setdefault(len(key), {})[key] = _row_cache(cache, r, valid)
-            keep_rows = ~done
-            if step == max_new_tokens - 1 or not keep_rows.any():
+            gone |= done
+            if step == max_new_tokens - 1 or gone.all():
                 break
-            if not keep_rows.all():   # finished rows leave the batch and the cache
+            # finished rows leave the batch and the cache: at once, or with graphs (a new batch size captures a new
+            # graph) once they are half of it, decoding ignored until then
+            if gone.any() and (self.decoder is None or 2 * int(gone.sum()) >= len(gone)):
+                keep_rows = ~gone
                 cache.batch_select_indices(keep_rows.nonzero().squeeze(-1))
-                live, nxt, attn, pos = live[keep_rows], nxt[keep_rows], attn[keep_rows], pos[keep_rows]
+                live, nxt, attn, pos, gone = live[keep_rows], nxt[keep_rows], attn[keep_rows], pos[keep_rows], gone[keep_rows]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (b, T + step + 1)
             pos = pos + 1
-            logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
-                                **kv).logits[:, -1]
+            logits = self._decode(cache, nxt, attn, pos, kw)
         return [Generation(t, lp, st) for t, lp, st in zip(toks, lps, stopped)]
 
     @torch.no_grad()
@@ -490,9 +588,18 @@ class HFBackend:
                         continue
                 attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
                 pos = pos + 1
-                logits = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None],
-                                    use_cache=True, **{cache_kwarg(self.model): cache}, **kw).logits[:, -1]
+                logits = self._decode(cache, nxt, attn, pos, kw)
                 batch = cache, logits, attn, pos
+
+    def _decode(self, cache, nxt, attn, pos, kw):
+        """One decode step: nxt (B,) fed at positions pos (B,) onto `cache`, attn (B, T + 1) its mask with the new
+        column -> the last logits (B, V). Through GraphDecode when it is on (not with a shared prefix: kw)."""
+        if self.decoder is not None and not kw:
+            if self.decoder.model is not self.model:   # the model was wrapped since (peft, with_adapter)
+                self.decoder = GraphDecode(self.model)
+            return self.decoder.step(cache, nxt, attn, pos)
+        return self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
+                          **{cache_kwarg(self.model): cache}, **kw).logits[:, -1]
 
     def _prefill(self, prompts, room, dev, P=0, kw=None):
         """Every distinct prompt prefilled once (left-padded) and its cache rows copied to its samples; the cache has

@@ -8,9 +8,10 @@
 #   3. the hf backend on the GPU's stock attention (sdpa with kept caches, padding inside a row, stacked parts; never
 #      the project's CPU-only shared-prefix kernel): kept-cache and continuous-batching rollouts against full
 #      re-prefill (token ids, masks, rewards) and sampled log-probs against teacher forcing, on every domain (the
-#      same checks tests/test_engine.py runs on the CPU with stock sdpa); the largest log-prob gap in the log;
+#      same checks tests/test_engine.py runs on the CPU with stock sdpa); then the same with every decode step replayed
+#      as a CUDA graph (HFBackend(graphs=True), ACL_CUDA_GRAPHS=1); the largest log-prob gaps in the log;
 #   4. bench/gpu.sh's step figures: GRPO update tokens/s and MFU against the nominal and the measured bf16 matmul peak,
-#      LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s;
+#      LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s eager and graphed;
 #   5. memory at the 8B width: Qwen3-8B's layers and vocabulary with 3 layers, one GRPO update's measured peak beside
 #      --dry-run's estimate for the same model (the terms the README's 8B memory table extrapolates).
 # On a GPU each step has a timeout; they sum to 480 s (tests/test_bench.py holds it), so the check ends within 8 min.
@@ -37,15 +38,15 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,dr
 if [ "$CPU" = 1 ]; then
     export ACL_TEST_DEVICE=cpu OMP_NUM_THREADS=1
     step install python train_seq.py --check-install
-    step gpu-tier python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache"
-    step kv-sdpa python -m pytest -q -s -m gpu tests/test_gpu.py -k kept_cache
+    step gpu-tier python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache and not graph_decoding"
+    step kv-sdpa python -m pytest -q -s -m gpu tests/test_gpu.py -k "kept_cache or graph_decoding"
     step step-figures python bench/gpu_step.py --smoke --lora 4
     step memory-8b-width python bench/gpu_step.py --smoke --layers 3 --vs-dry-run
 else
     step install timeout 30 python train_seq.py --check-install
-    step gpu-tier timeout 140 python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache"
-    step kv-sdpa timeout 70 python -m pytest -q -s -m gpu tests/test_gpu.py -k kept_cache
-    step step-figures timeout 170 bash bench/gpu.sh
+    step gpu-tier timeout 130 python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache and not graph_decoding"
+    step kv-sdpa timeout 100 python -m pytest -q -s -m gpu tests/test_gpu.py -k "kept_cache or graph_decoding"
+    step step-figures timeout 150 bash bench/gpu.sh
     step memory-8b-width timeout 70 torchrun --standalone --nproc_per_node=1 bench/gpu_step.py \
         --config Qwen/Qwen3-8B-Base --layers 3 --vs-dry-run --micro-batch 1 --completion-len 3584 --steps 1
 fi

@@ -1,7 +1,7 @@
 """GPU figures for the full-scale recipe, with no download: a randomly initialised model with the Qwen3-1.7B
 configuration, (1) the training-step throughput of train_seq.py's GRPO update (acl.step.train_on with
 grpo_loss, under FSDP2 with bf16 MixedPrecisionPolicy) in tokens/s and MFU, and (2) the hf backend's
-generation throughput (acl.engine.HFBackend, bf16), and with --lora R (3) the same update on mle.py's expert (the
+generation throughput (acl.engine.HFBackend, bf16: eager, then its decode steps as CUDA graphs), and with --lora R (3) the same update on mle.py's expert (the
 model frozen, a rank-R adapter trained) beside full fine-tuning. Run through bench/gpu.sh on one H200 (under 8 minutes):
 
     bash bench/gpu.sh                                             # torchrun --nproc_per_node=1 bench/gpu_step.py
@@ -194,14 +194,15 @@ def main(argv=None):
                                                   attn_implementation=attn).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, cfg.vocab_size, (a.gen_prompt_len,), generator=g).tolist() for _ in range(a.gen_batch)]
-    backend = HFBackend(engine, SimpleNamespace(pad_token_id=0), max_batch=a.gen_batch)   # token ids only
-    backend.generate(prompts[:2], 4, 1.0, [])   # warm-up
-    sync()
-    t0 = time.time()
-    gens = backend.generate(prompts, a.gen_tokens, 1.0, [])   # no stop token: every row runs to the limit
-    sync()
-    gen_dt = time.time() - t0
-    gen_tok = sum(len(x.token_ids) for x in gens)
+    gen_rate = {}
+    for graphs in (False, True):   # eager decode steps, then each step replayed as a CUDA graph (GraphDecode)
+        backend = HFBackend(engine, SimpleNamespace(pad_token_id=0), max_batch=a.gen_batch, graphs=graphs)  # token ids
+        backend.generate(prompts[:2], 4, 1.0, [])   # warm-up (the batch's own graph is captured inside the timing)
+        sync()
+        t0 = time.time()
+        gens = backend.generate(prompts, a.gen_tokens, 1.0, [])   # no stop token: every row runs to the limit
+        sync()
+        gen_rate[graphs] = sum(len(x.token_ids) for x in gens) / (time.time() - t0)
 
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print0(f"bench/gpu_step.py on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, attention {attn}, "
@@ -223,8 +224,10 @@ def main(argv=None):
     if a.lora:
         print0(f"| LoRA rank {a.lora} expert ({n_lora / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
                f"memory | {tokens / lora_dt:,.0f} ({dt / lora_dt:.2f}x full fine-tuning), {lora_mem[0]:.1f} GiB |")
-    print0(f"| hf generation: {a.gen_batch} x ({a.gen_prompt_len} prompt + {a.gen_tokens} new) tokens/s "
-           f"| {gen_tok / gen_dt:,.0f} |")
+    print0(f"| hf generation: {a.gen_batch} x ({a.gen_prompt_len} prompt + {a.gen_tokens} new) tokens/s, eager "
+           f"| {gen_rate[False]:,.0f} |")
+    print0(f"| same, decode steps as CUDA graphs (ACL_CUDA_GRAPHS=1; on a CPU the static step, eager) | "
+           f"{gen_rate[True]:,.0f} ({gen_rate[True] / gen_rate[False]:.2f}x eager; target >= 4x the 882 of 2026-12-04) |")
     teardown()
 
 

@@ -141,7 +141,9 @@ def test_gpu_step_smoke(tmp_path, args):
     assert float(rows["training tokens/s"][0].replace(",", "")) > 0
     assert re.fullmatch(r"\d+\.\d%.*", rows["MFU (vs 989 TFLOP/s nominal bf16 dense)"][0])
     assert "peak GPU memory, training: allocated, reserved" in rows
-    assert float(rows["hf generation: 4 x (8 prompt + 8 new) tokens/s"][0].replace(",", "")) > 0
+    assert float(rows["hf generation: 4 x (8 prompt + 8 new) tokens/s, eager"][0].replace(",", "")) > 0
+    graphs = [v[0] for k, v in rows.items() if k.startswith("same, decode steps as CUDA graphs")]
+    assert len(graphs) == 1 and re.fullmatch(r"[\d,]+ \(\d+\.\d\dx eager; .*\)", graphs[0]), graphs
     lora = [v[0] for k, v in rows.items() if k.startswith("LoRA rank")]
     assert len(lora) == ("--lora" in args) and all(re.fullmatch(r"[\d,]+ \(\d+\.\d\dx full fine-tuning\), .*", x) for x in lora)
 
@@ -167,8 +169,9 @@ def test_gpu_check_runs_every_step_on_the_cpu(tmp_path):
     log = (tmp_path / "gpu_check.log").read_text()
     for name in ("install", "gpu-tier", "kv-sdpa", "step-figures", "memory-8b-width"):
         assert f"== {name}: exit 0" in log, log[-2000:]
-    assert "3 passed" in log and "1 passed" in log and "every step passed" in log
+    assert "3 passed" in log and "2 passed" in log and "every step passed" in log
     assert "sampled log-probs against teacher forcing on cpu" in log
+    assert "graph-decoded log-probs against teacher forcing on cpu" in log
     assert "at 3 layers" in log and "| training memory: --dry-run's estimate, measured allocated ÷ it |" in log
 
 

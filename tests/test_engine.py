@@ -65,6 +65,10 @@ class Watched(HFBackend):
             return go_on
         return super().stream(prompts, budgets, temperature, stop_ids, recorded)
 
+    def _decode(self, cache, nxt, attn, pos, kw):
+        self.__dict__.setdefault("graph_steps", set()).add(self.decoder is not None and not kw)
+        return super()._decode(cache, nxt, attn, pos, kw)
+
     def _stack(self, parts, B, room):
         self.__dict__.setdefault("stacked", []).append(B)
         self.__dict__.setdefault("attention", set()).add(self.model.config._attn_implementation)
@@ -89,12 +93,13 @@ def items_of(domain, n=4):
     return [(env, t) for t in env.tasks("test", n=n, seed=0)]
 
 
-def check_kept_equals_re_prefill(model, tok, shared_attention=True):
+def check_kept_equals_re_prefill(model, tok, shared_attention=True, graphs=False):
     """Greedy rollouts on every domain continued on kept caches, turn by turn (generate) and with continuous batching
     (stream, also with a batch cap of 3 rows: episodes wait, then join a running batch) = the re-prefill path's token
     for token, with the same masks and rewards; no cache outlives its rollout, and within one the kept ones are at
     most one call's rows, the stream's batch at most max_batch rows. The attention is shared_prefix_attention on a
-    CPU, or with shared_attention False (and on a GPU) the model's own."""
+    CPU, or with shared_attention False (and on a GPU) the model's own; graphs: each decode step through GraphDecode
+    (its static step on a CPU, a CUDA graph on a GPU), which then decoded every domain."""
     from envs import DOMAINS
     split = shared_attention and model.device.type == "cpu"
     attention = {"aclarena-shared" if split else model.config._attn_implementation}
@@ -102,16 +107,18 @@ def check_kept_equals_re_prefill(model, tok, shared_attention=True):
         items = items_of(d)
         plain = rollout(HFBackend(model, tok, reuse_kv=False), tok, items, 2, temperature=0.0, seed=0)
         want = [(e.token_ids, e.loss_mask, e.reward) for e in plain]
-        backend = TurnByTurn(model, tok, shared_attention=shared_attention)
+        backend = TurnByTurn(model, tok, shared_attention=shared_attention, graphs=graphs)
         kept = rollout(backend, tok, items, 2, temperature=0.0, seed=0)
         sizes = backend.sizes
         assert [(e.token_ids, e.loss_mask, e.reward) for e in kept] == want, d
+        assert backend.graph_steps == {graphs}, d   # every decode step through GraphDecode, or none
         assert backend.kept == {} and all(n_kept <= n for n, n_kept in sizes), (d, sizes)
         for cap in (64, 3):
-            streamed = Watched(model, tok, max_batch=cap, shared_attention=shared_attention)
+            streamed = Watched(model, tok, max_batch=cap, shared_attention=shared_attention, graphs=graphs)
             assert [(e.token_ids, e.loss_mask, e.reward) for e in rollout(streamed, tok, items, 2, temperature=0.0,
                                                                           seed=0)] == want, (d, cap)
             assert 0 < max(streamed.stacked) <= cap and not hasattr(streamed, "sizes"), streamed.__dict__.keys()
+            assert streamed.graph_steps == {graphs}, (d, cap)
             assert streamed.kept == {} and streamed.shared == {} and streamed.attention == attention, d
         if d == "ecommerce":
             assert max(e.turns for e in kept) > 2 and len(sizes) > 2      # multi-turn: later calls started on caches
@@ -124,7 +131,7 @@ def check_kept_equals_re_prefill(model, tok, shared_attention=True):
                 assert not any(backend.shared_lens), backend.shared_lens
 
 
-def check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=True):
+def check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=True, graphs=False):
     """Sampled rollouts on every domain, with continuous batching (3 rows a batch) and turn by turn: each sampled
     token's log-prob equals the model's teacher-forced one within float tolerance. The episodes end max_turn_tokens - 16
     tokens after the shortest prompt, so each row's budget (max_tokens - its length) is below max_turn_tokens and
@@ -137,8 +144,8 @@ def check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=True)
         lengths = [len(chat.prompt(env.reset(t).messages, t.tools)) for env, t in items]
         end = min(lengths) + MAX_TURN_TOKENS - 16
         assert max(lengths) < end - 32, (d, lengths)     # every row has room for a turn
-        streamed = Watched(model, tok, max_batch=3, shared_attention=shared_attention)
-        for b in (streamed, TurnByTurn(model, tok, shared_attention=shared_attention)):
+        streamed = Watched(model, tok, max_batch=3, shared_attention=shared_attention, graphs=graphs)
+        for b in (streamed, TurnByTurn(model, tok, shared_attention=shared_attention, graphs=graphs)):
             for e in rollout(b, tok, items, 2, seed=1, max_tokens=end):
                 ids = torch.tensor([e.token_ids], device=model.device)
                 with torch.no_grad():
@@ -156,20 +163,25 @@ def check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=True)
     return worst
 
 
-@pytest.mark.parametrize("shared_attention", [True, False], ids=["shared-prefix", "stock-sdpa"])
-def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed(shared_attention, tiny_agent):
-    """check_kept_equals_re_prefill on the tiny agent, with the project's shared-prefix attention and with the model's
-    stock sdpa (the attention a GPU run takes: kept caches, padding inside a row and stacked parts)."""
+ATTENTIONS = pytest.mark.parametrize("shared_attention,graphs", [(True, False), (False, False), (False, True)],
+                                     ids=["shared-prefix", "stock-sdpa", "static-step"])
+
+
+@ATTENTIONS
+def test_kept_kv_caches_give_the_re_prefilled_episodes_and_are_freed(shared_attention, graphs, tiny_agent):
+    """check_kept_equals_re_prefill on the tiny agent, with the project's shared-prefix attention, with the model's
+    stock sdpa (the attention a GPU run takes: kept caches, padding inside a row and stacked parts), and with stock
+    sdpa through GraphDecode's static step (what a CUDA graph replays: every position of a fixed capacity, masked)."""
     model, tok = tiny_policy(tiny_agent)
     assert model.config._attn_implementation == "sdpa"
-    check_kept_equals_re_prefill(model, tok, shared_attention)
+    check_kept_equals_re_prefill(model, tok, shared_attention, graphs)
 
 
-@pytest.mark.parametrize("shared_attention", [True, False], ids=["shared-prefix", "stock-sdpa"])
-def test_sampled_logprobs_are_the_teacher_forced_ones_on_every_domain(shared_attention, tiny_agent):
-    """check_sampled_logprobs_are_teacher_forced on the tiny agent, both attentions (measured: 3e-5 at most)."""
+@ATTENTIONS
+def test_sampled_logprobs_are_the_teacher_forced_ones_on_every_domain(shared_attention, graphs, tiny_agent):
+    """check_sampled_logprobs_are_teacher_forced on the tiny agent, each attention (measured: 3e-5 at most)."""
     model, tok = tiny_policy(tiny_agent)
-    assert check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention) < 1e-4
+    assert check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention, graphs) < 1e-4
 
 
 def test_kept_caches_stay_within_a_byte_cap_and_give_the_same_episodes(tiny_agent):

@@ -5,7 +5,8 @@ checked everywhere; only on a GPU does it check NCCL, CUDA kernels and bf16.
   - two sequential stages under torchrun with rank 0's checkpoint writes slowed down (the stage hand-off);
   - bf16 token log-probs against the fp32 reference;
   - the hf backend's kept-cache decoding (multi-turn, continuous batching) on stock sdpa against full re-prefill
-    (greedy: token ids, masks, rewards) and its sampled log-probs against teacher forcing, on every domain."""
+    (greedy: token ids, masks, rewards) and its sampled log-probs against teacher forcing, on every domain;
+  - the same with every decode step replayed as a CUDA graph (GraphDecode; on the CPU its static step, eagerly)."""
 import os
 import subprocess
 import sys
@@ -71,3 +72,14 @@ def test_kept_cache_decoding_equals_re_prefill_on_the_device(tiny_agent):
     check_kept_equals_re_prefill(model, tok, shared_attention=False)
     worst = check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=False)
     print(f"sampled log-probs against teacher forcing on {DEVICE}: {worst:.2e} at most")
+
+
+def test_graph_decoding_equals_re_prefill_on_the_device(tiny_agent):
+    """The decode steps as CUDA graphs (HFBackend(graphs=True): static buffers, a graph per batch size, rows that end
+    kept in the batch until they are half of it) against full re-prefill, greedily, and sampled log-probs against
+    teacher forcing, on every domain, turn by turn and with continuous batching (each admit a new batch size)."""
+    from test_engine import check_kept_equals_re_prefill, check_sampled_logprobs_are_teacher_forced, tiny_policy
+    model, tok = tiny_policy(tiny_agent, torch.device(DEVICE))
+    check_kept_equals_re_prefill(model, tok, shared_attention=False, graphs=True)
+    worst = check_sampled_logprobs_are_teacher_forced(model, tok, shared_attention=False, graphs=True)
+    print(f"graph-decoded log-probs against teacher forcing on {DEVICE}: {worst:.2e} at most")
