@@ -536,23 +536,24 @@ def _single_process_quiet():
         yield
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project's root (where the scripts are)
+
+
 def source_hash(files) -> str:
     """A short hash of source files (paths relative to the project root, in the order given) and their contents: what
     a record says it was computed by (evaluate.scoring_code, analyze.inputs_of), so a change to that code makes it
     stale and a change elsewhere does not."""
     import hashlib
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for f in files:
-        with open(os.path.join(root, f), "rb") as fh:
+        with open(os.path.join(ROOT, f), "rb") as fh:
             h.update(f.encode() + b"\0" + fh.read())
     return h.hexdigest()[:16]
 
 
 def source_files(*patterns) -> list:
     """The project's files matching each glob pattern (relative to the project root), each pattern's matches sorted."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [os.path.relpath(p, root) for pat in patterns for p in sorted(glob.glob(os.path.join(root, pat)))]
+    return [os.path.relpath(p, ROOT) for pat in patterns for p in sorted(glob.glob(os.path.join(ROOT, pat)))]
 
 
 def code_revision() -> str:

@@ -153,7 +153,6 @@ class GraphDecode:
         static = Cache(layers=[Static(k, v) for k, v in self.kv])
         self.run = lambda: self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
                                       use_cache=True, **{cache_kwarg(self.model): static}).logits[:, -1]
-        self.bound = None
 
     def _capture(self):
         """Warm up on a side stream (cuBLAS and the allocator settle), then record one step into the graph."""
@@ -173,12 +172,11 @@ class GraphDecode:
         B, n = nxt.size(0), attn.size(1) - 1
         if self.shape is None or self.shape[0] != B or self.shape[1] < n + 1:
             self._build(cache, B, -(-max(n + 1, cache.layers[0].kbuf.shape[-2]) // self.ROUND) * self.ROUND)
-        if self.bound is not cache.layers[0].kbuf:   # the cache's positions into the static buffers
+        if cache.layers[0].kbuf is not self.kv[0][0]:   # the cache's positions into the static buffers
             for layer, (k, v) in zip(cache.layers, self.kv):
                 k[:, :, :n], v[:, :, :n] = layer.kbuf[:, :, :n], layer.vbuf[:, :, :n]
                 layer.adopt(k, v, n)
             self.mask.zero_()
-            self.bound = self.kv[0][0]
         self.ids.copy_(nxt[:, None])
         self.pos.copy_(pos[:, None])
         self.mask[:, 0, 0, : n + 1].copy_(attn.bool())
