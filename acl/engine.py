@@ -116,15 +116,25 @@ class GraphDecode:
     the token ids (B, 1), the positions (B, 1), the mask (B, 1, 1, C) and the slot (1,) where this step's keys are
     written (index_copy_: the same column for every row, rows being left-padded). Before a replay these get the step's
     values; after it, the engine's own cache (HFBackend's preallocated one) is pointed at the same buffers, so its kept
-    caches and row selections read what the graph wrote. A new batch size or a longer capacity captures a new graph
-    (the old one freed first); a batch whose cache lives elsewhere (a fresh prefill, a compaction) is copied in.
-    On a CPU the same static step runs eagerly (no graph): what the CPU tests check against the kept-cache path."""
+    caches and row selections read what the graph wrote. The graph's rows are the batch's rounded up to a power of
+    two (rows(): at least MIN_ROWS, at most HFBackend's max_batch); the rows past the batch decode a token nobody
+    reads, so the batch sizes continuous batching passes through (every admit and compaction changes it) share a few
+    graphs. A new bucket or a longer capacity captures a new graph (the old one freed first); a batch whose cache
+    lives elsewhere (a fresh prefill, a compaction) is copied in. On a CPU the same static step runs eagerly (no
+    graph): what the CPU tests check against the kept-cache path."""
 
-    ROUND = 256   # capacity rounded up to this, so batches of similar lengths share a graph
+    ROUND = 256     # capacity rounded up to this, so batches of similar lengths share a graph
+    MIN_ROWS = 8    # the smallest bucket of rows
 
-    def __init__(self, model):
-        self.model, self.shape, self.graph = model, None, None
+    def __init__(self, model, max_rows: int = 0):
+        self.model, self.max_rows, self.shape, self.graph, self.builds = model, max_rows, None, None, 0
         self.pool = torch.cuda.graph_pool_handle() if next(model.parameters()).is_cuda else None
+
+    def rows(self, B: int) -> int:
+        """The graph's rows for a batch of B: B rounded up to a power of two, at least MIN_ROWS, at most max_rows when
+        B is within it (a batch never exceeds max_batch; a bucket past it would only pad)."""
+        R = max(self.MIN_ROWS, 1 << (B - 1).bit_length())
+        return min(R, self.max_rows) if B <= self.max_rows else R
 
     def _build(self, cache, B, C):
         """Static buffers for B rows of C positions, the static cache the model writes into, and the graph."""
@@ -142,7 +152,7 @@ class GraphDecode:
                 self.values.index_copy_(2, slot, value_states)
                 return self.keys, self.values
 
-        self.graph = None   # the old graph and buffers freed before the new ones are allocated
+        self.graph, self.builds = None, self.builds + 1   # the old graph and buffers freed before the new ones
         self.kv = [(torch.zeros((B, *x.kbuf.shape[1:2], C, x.kbuf.shape[-1]), dtype=x.kbuf.dtype, device=x.kbuf.device),
                     torch.zeros((B, *x.vbuf.shape[1:2], C, x.vbuf.shape[-1]), dtype=x.vbuf.dtype, device=x.vbuf.device))
                    for x in cache.layers]   # zeros: a masked position must still be finite (-inf + NaN is NaN)
@@ -170,26 +180,29 @@ class GraphDecode:
         """The logits (B, V) after feeding nxt (B,) at positions pos (B,) onto `cache` (HFBackend's, n positions
         filled), attn (B, n + 1) the mask with the new column; the cache then holds n + 1 positions."""
         B, n = nxt.size(0), attn.size(1) - 1
-        if self.shape is None or self.shape[0] != B or self.shape[1] < n + 1:
-            self._build(cache, B, -(-max(n + 1, cache.layers[0].kbuf.shape[-2]) // self.ROUND) * self.ROUND)
-        if cache.layers[0].kbuf is not self.kv[0][0]:   # the cache's positions into the static buffers
+        R = self.rows(B)
+        if self.shape is None or self.shape[0] != R or self.shape[1] < n + 1:
+            self._build(cache, R, -(-max(n + 1, cache.layers[0].kbuf.shape[-2]) // self.ROUND) * self.ROUND)
+        kbuf = cache.layers[0].kbuf
+        if kbuf.data_ptr() != self.kv[0][0].data_ptr() or kbuf.size(0) != B:   # its positions into the static buffers
             for layer, (k, v) in zip(cache.layers, self.kv):
-                k[:, :, :n], v[:, :, :n] = layer.kbuf[:, :, :n], layer.vbuf[:, :, :n]
-                layer.adopt(k, v, n)
+                k[:B, :, :n], v[:B, :, :n] = layer.kbuf[:, :, :n], layer.vbuf[:, :, :n]
+                layer.adopt(k[:B], v[:B], n)
             self.mask.zero_()
-        self.ids.copy_(nxt[:, None])
-        self.pos.copy_(pos[:, None])
-        self.mask[:, 0, 0, : n + 1].copy_(attn.bool())
+        self.ids[:B].copy_(nxt[:, None])
+        self.pos[:B].copy_(pos[:, None])
+        self.mask[:B, 0, 0, : n + 1].copy_(attn.bool())
+        self.mask[B:, 0, 0, n] = True   # the rows past the batch attend to their own key: finite, and never read
         self.slot.fill_(n)
         if self.pool is None:     # a CPU: the static step, eagerly
-            logits = self.run()
+            logits = self.run()[:B]
         else:
             if self.graph is None:
                 self._capture()
             self.graph.replay()
-            logits = self.logits.clone()   # the graph's output buffer is overwritten by the next replay
+            logits = self.logits[:B].clone()   # the graph's output buffer is overwritten by the next replay
         for layer, (k, v) in zip(cache.layers, self.kv):
-            layer.adopt(k, v, n + 1)
+            layer.adopt(k[:B], v[:B], n + 1)
         return logits
 
 
@@ -337,7 +350,7 @@ class HFBackend:
     def forget(self):
         """Drops the kept caches, and sets the cap on them (default_kv_cap reads the free memory now, none kept)."""
         self.kept, self.shared, self.kept_bytes, self.kept_old = {}, {}, 0, 0   # _keep's counts
-        self.decoder = GraphDecode(self.model) if self.graphs else None   # its graph lives for one rollout at most
+        self.decoder = GraphDecode(self.model, self.max_batch) if self.graphs else None   # lives for one rollout
         self.cap = self.kv_cap if self.kv_cap is not None else default_kv_cap(next(self.model.parameters()).device)
 
     def _keep(self, n: int) -> bool:
@@ -499,8 +512,8 @@ class HFBackend:
             gone |= done
             if step == max_new_tokens - 1 or gone.all():
                 break
-            # finished rows leave the batch and the cache: at once, or with graphs (a new batch size captures a new
-            # graph) once they are half of it, decoding ignored until then
+            # finished rows leave the batch and the cache: at once, or with graphs (a smaller batch is copied into the
+            # graph's buffers, and may take a smaller bucket: a new graph) once they are half of it, ignored until then
             if gone.any() and (self.decoder is None or 2 * int(gone.sum()) >= len(gone)):
                 keep_rows = ~gone
                 cache.batch_select_indices(keep_rows.nonzero().squeeze(-1))
@@ -594,7 +607,7 @@ class HFBackend:
         column -> the last logits (B, V). Through GraphDecode when it is on (not with a shared prefix: kw)."""
         if self.decoder is not None and not kw:
             if self.decoder.model is not self.model:   # the model was wrapped since (peft, with_adapter)
-                self.decoder = GraphDecode(self.model)
+                self.decoder = GraphDecode(self.model, self.max_batch)
             return self.decoder.step(cache, nxt, attn, pos)
         return self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
                           **{cache_kwarg(self.model): cache}, **kw).logits[:, -1]

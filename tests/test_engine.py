@@ -207,6 +207,34 @@ def test_kept_caches_stay_within_a_byte_cap_and_give_the_same_episodes(tiny_agen
                 assert b.kept == {} and b.kept_bytes == 0 and b.kept_old == 0
 
 
+def test_graph_decode_pads_a_batch_to_its_bucket_and_shares_the_graph(micro):
+    """GraphDecode rounds a batch's rows up to a power of two (>= 8; within max_batch when the batch fits), so the
+    batch sizes continuous batching passes through share one static shape: batches of 3, 5, 8 and 6 rows (each a
+    fresh prefill copied in, then a step on the adopted cache) give each row the model's own step logits, with one
+    build; 9 rows with max_batch 12 take a second, of 12 rows."""
+    from acl.engine import GraphDecode, cache_kwarg
+    model, tok = micro
+    backend = HFBackend(model, tok, max_batch=12, shared_attention=False)
+    dec = GraphDecode(model, max_rows=12)
+    assert [dec.rows(b) for b in (1, 3, 8, 9, 12, 13, 40)] == [8, 8, 8, 12, 12, 16, 64]
+    assert [GraphDecode(model, max_rows=4).rows(b) for b in (1, 3, 4, 5)] == [4, 4, 4, 8]
+    texts = ["What is 12+7?", "Tomas", "<answer>Brimsk", "hi there", "What is 3*4? \\boxed{", "x", "search(",
+             "Velder", "born in"]
+    for B, builds in ((3, 1), (5, 1), (8, 1), (6, 1), (9, 2)):
+        prompts = [tok(t)["input_ids"] for t in texts[:B]]
+        cache, logits, attn, pos = backend._prefill(prompts, 4, torch.device("cpu"))
+        ref, *_ = backend._prefill(prompts, 4, torch.device("cpu"))
+        for _ in range(2):   # the first step copies the fresh cache in, the second runs on the adopted one
+            nxt, attn, pos = logits.argmax(-1), torch.cat([attn, torch.ones_like(attn[:, :1])], 1), pos + 1
+            with torch.no_grad():
+                want = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
+                             **{cache_kwarg(model): ref}).logits[:, -1]
+                logits = dec.step(cache, nxt, attn, pos)
+            assert logits.shape == want.shape and torch.allclose(logits, want, atol=1e-5), B
+            assert cache.layers[0].kbuf.size(0) == B and cache.layers[0].kbuf.data_ptr() == dec.kv[0][0].data_ptr()
+        assert dec.builds == builds and dec.shape[0] == dec.rows(B), (B, dec.builds, dec.shape)
+
+
 def test_shared_prefix_attention_is_attention_over_prefix_and_own_tokens():
     """shared_prefix_attention (the hf backend's generation on a CPU): each row's attention over one shared prefix and
     its own masked tokens, merged by log-sum-exps, equals plain softmax attention over the concatenation, for one-token
