@@ -72,6 +72,7 @@ from acl.common import (
     eta,
     identity,
     is_checkpoint,
+    numerics,
     print0,
     run_name,
     save_json,
@@ -393,14 +394,14 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mi
 
 def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
     """evaluate_model's scores as the record an eval JSON holds (evaluate_ckpt; train_seq.py after each stage):
-    {ckpt, ckpt_id, suite, settings, wall_s (since t0, default now), code_revision, scoring_code, evaluated_at,
-    benchmarks}. ckpt_id: the checkpoint's identity (common.identity), scoring_code: scoring_code()'s hash."""
+    {ckpt, ckpt_id, suite, settings, wall_s (since t0, default now), code_revision, scoring_code, numerics (common's:
+    torch, device, threads), evaluated_at, benchmarks}. ckpt_id: the checkpoint's identity (common.identity), scoring_code: scoring_code()'s hash."""
     t0 = t0 or time.time()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
     settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label", "route", "reuse")}
     return {"ckpt": path, "ckpt_id": identity(path), "suite": suite, "settings": settings,
             "wall_s": round(time.time() - t0, 1), "code_revision": code_revision(), "scoring_code": scoring_code(),
-            "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmarks": benchmarks}
+            "numerics": numerics(), "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmarks": benchmarks}
 
 
 # ----------------------------------------------------------------------------- lm-eval, the second scorer

@@ -570,6 +570,23 @@ def code_revision() -> str:
         return "unknown"
 
 
+def numerics() -> dict:
+    """What a result's floating-point path depends on beyond the code, the settings and the seed, stamped on every
+    checkpoint's acl_meta.json and evaluation record: the same command on another CPU (another kernel dispatch) or at
+    another thread count (another reduction order) samples other tokens from the first update on (docs/LOG.md,
+    2026-12-07: seed 0 at one commit, re-run in another session, differed from its first RL step; within a run, two
+    identical trainings are bit-identical, and the run directory's path changes nothing)."""
+    import platform
+
+    import transformers
+    if torch.cuda.is_available():
+        device = f"cuda {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
+    else:
+        device = f"cpu {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
+            "threads": torch.get_num_threads()}
+
+
 def write_atomically(out_dir: str, write) -> str:
     """Call write(tmp) on a temporary sibling directory, fsync it, then rename it to out_dir (and fsync the parent):
     a half-written checkpoint
@@ -610,8 +627,9 @@ def copy_checkpoint(src: str, out: str):
 
 
 def write_meta(ckpt_dir: str, meta: dict):
-    """acl_meta.json of a checkpoint being written, stamped with the code revision, the time and a save id."""
-    meta = dict(meta, code_revision=code_revision(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    """acl_meta.json of a checkpoint being written, stamped with the code revision, numerics(), the time and a save
+    id."""
+    meta = dict(meta, code_revision=code_revision(), numerics=numerics(), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
                 save_id=uuid.uuid4().hex[:16])   # two saves in one second are two parents too (identity)
     with open(os.path.join(ckpt_dir, "acl_meta.json"), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True, default=str)

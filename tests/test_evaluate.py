@@ -167,6 +167,10 @@ def test_resume_keeps_a_record_only_of_this_checkpoint_with_the_same_settings_an
     assert r.returncode == 0 and "evaluated before with these settings" in r.stdout, r.stderr[-2000:]
     assert (json.loads(rec.read_text())["evaluated_at"], rec.stat().st_mtime_ns) == first
     assert "| seq-1-math |" in r.stdout   # the kept record is still in the table
+    kept = json.loads(rec.read_text())
+    assert kept["numerics"]["threads"] >= 1 and kept["numerics"]["torch"] == torch.__version__
+    rec.write_text(json.dumps(dict(kept, numerics=dict(kept["numerics"], threads=99))))   # recorded, not identity:
+    assert "evaluated before" in run_cli("--ckpt", str(ck), *fast, "--resume").stdout     # another thread count kept
     r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")   # other settings (the gold metric): evaluated again
     assert r.returncode == 0 and "evaluated before" not in r.stdout
     r = run_cli("--ckpt", str(ck), *fast[:-1], "--resume")
