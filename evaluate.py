@@ -394,8 +394,9 @@ def evaluate_ckpt(path, suite="tiny", backend_name="hf", router="tag", router_mi
 
 def evaluate_record(model, tok, path, suite="tiny", t0=None, **kwargs) -> dict:
     """evaluate_model's scores as the record an eval JSON holds (evaluate_ckpt; train_seq.py after each stage):
-    {ckpt, ckpt_id, suite, settings, wall_s (since t0, default now), code_revision, scoring_code, numerics (common's:
-    torch, device, threads), evaluated_at, benchmarks}. ckpt_id: the checkpoint's identity (common.identity), scoring_code: scoring_code()'s hash."""
+    {ckpt, ckpt_id, suite, settings, wall_s (since t0, default now), code_revision, scoring_code, numerics
+    (common.numerics: versions, device, threads; recorded, not identity), evaluated_at, benchmarks}. ckpt_id: the
+    checkpoint's identity (common.identity), scoring_code: scoring_code()'s hash."""
     t0 = t0 or time.time()
     benchmarks = evaluate_model(model, tok, suite=suite, **kwargs)
     settings = {key: v for key, v in kwargs.items() if key not in ("tasks", "backend", "label", "route", "reuse")}
