@@ -187,7 +187,7 @@ def train_expert(a, i: int, domain: str, env, device, init: str | None = None) -
     n_all = sum(p.numel() for p in policy.parameters())
     common.print0(f"[{name}] LoRA rank {a.lora_rank} alpha {a.lora_alpha} on {','.join(a.lora_targets)}: {n_train:,} trainable "
                   f"of {n_all:,} parameters ({100 * n_train / n_all:.2f}%)")
-    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload, compiled=a.compile)
     backend, push, adapter = expert_backend(a, tok, policy, device, out + ".live")
     ref = AdapterOff(policy) if a.kl_coef > 0 else None
     resume_path = common.run_files(out)[0]
@@ -319,7 +319,8 @@ def continual(a, envs, device):
                  prev, "--out", bb, "--epochs", str(a.refresh_epochs), "--seed", str(a.seed),
                  "--batch", str(a.refresh_batch - a.refresh_batch % k), "--micro-batch", str(a.micro_batch),
                  "--save-dtype", a.save_dtype, "--attn", a.attn, "--bf16" if a.bf16 else "--no-bf16",
-                 "--grad-ckpt" if a.grad_ckpt else "--no-grad-ckpt"] + (["--threads", str(a.threads)] if a.threads else [])
+                 "--grad-ckpt" if a.grad_ckpt else "--no-grad-ckpt", "--compile" if a.compile else "--no-compile"] + \
+            (["--threads", str(a.threads)] if a.threads else [])
         try:
             s = sdft.check_args(sdft.get_args(flags))
         except UsageError as e:

@@ -290,14 +290,15 @@ def main(argv=None):
     t0, cost0 = time.time(), cost_now()
     common.seed_all(a.seed)
     policy, tok = common.load_policy(a.student, common.shard_device(device), a.attn, a.grad_ckpt)
-    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload, compiled=a.compile)
     # the teachers: frozen, in eval mode, sharded like the student (bf16 weights with --bf16: 2 bytes per parameter
     # and rank share); one copy of a checkpoint that teaches several domains
     loaded, teachers = {}, {}
     for d, path in a.teacher_paths.items():
         if path not in loaded:
             m, _ = common.load_policy(path, common.shard_device(device), a.attn, dtype=torch.bfloat16 if a.bf16 else torch.float32)
-            loaded[path] = common.shard(m.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.offload_teachers)
+            loaded[path] = common.shard(m.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.offload_teachers,
+                                        compiled=a.compile)
         teachers[d] = loaded[path]
     backend, _engine = make_backend(a.backend, tok, a.student, policy=policy, device=device, gen_batch=a.gen_batch,
                                     kv_cache_gb=a.kv_cache_gb, bf16=a.bf16, gpu_util=a.vllm_gpu_util,

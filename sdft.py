@@ -460,7 +460,7 @@ def train_student(a, pools: dict, device, t0: float):
         common.usage_exit(e)
     common.seed_all(a.seed)
     policy, tok = common.load_policy(a.student, common.shard_device(device), a.attn, a.grad_ckpt)
-    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload, compiled=a.compile)
     policy.train()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     resume_path = common.run_files(a.out)[0]

@@ -375,7 +375,7 @@ def run_stage(i, domain, parent, a, device, env):
     start = rft_dir if rft_done else parent    # decided before loading: one policy, one backend
     policy, tok = common.load_policy(start, common.shard_device(device), a.attn, a.grad_ckpt)
     common.seed_all(a.seed + i)
-    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload)
+    policy = common.shard(policy, bf16=a.bf16, cpu_offload=a.cpu_offload, compiled=a.compile)
     backend, engine = stage_backend(a, tok, start, policy, device)
     n_rft, t_rft = None, 0.0
     if rft_done:
@@ -392,7 +392,8 @@ def run_stage(i, domain, parent, a, device, env):
     if a.kl_coef > 0:   # the KL's reference: the policy as GRPO starts it, after the cold start (the authors' τ run:
         # --ref-load is the SFT checkpoint), so the penalty keeps RL near what the cold start taught; frozen
         ref_model, _ = common.load_policy(rft_dir if use_rft else parent, common.shard_device(device), a.attn)
-        ref_model = common.shard(ref_model.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.cpu_offload)
+        ref_model = common.shard(ref_model.eval().requires_grad_(False), bf16=a.bf16, cpu_offload=a.cpu_offload,
+                                 compiled=a.compile)
     steps = a.steps_by_domain[domain]
     resume_path = common.run_files(out)[0]
     grpo(policy, tok, backend, env, domain, a, name, steps, resume_path, ref_model, out=out)

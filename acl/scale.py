@@ -136,7 +136,8 @@ def dry_run(a, init: str, world: int, micro_batch: int, seq_len: int, ref_model:
     total = sum(mem.values())
     print(f"dry run: {init} ({cfg.model_type}, {n_total / 1e9:.3f}B parameters) on {world} ranks, FSDP2 plan: "
           f"each of {L} decoder layers, then the root; bf16 compute {a.bf16}, activation checkpointing "
-          f"{a.grad_ckpt}, cpu offload {a.cpu_offload}, attention {resolve_attn(a.attn)}")
+          f"{a.grad_ckpt}, cpu offload {a.cpu_offload}, attention {resolve_attn(a.attn)}"
+          f"{', norms and SwiGLU compiled' if getattr(a, 'compile', False) else ''}")
     print(f"parameters per rank: max {P_r / 1e6:.1f}M, min {min(per_rank) / 1e6:.1f}M "
           f"(one layer {layer / 1e6:.1f}M, root {root / 1e6:.1f}M)")
     print(f"estimated GPU memory per rank, a pass of {tokens} tokens (micro-batch {micro_batch} x {seq_len}, at most "

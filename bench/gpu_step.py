@@ -1,8 +1,10 @@
 """GPU figures for the full-scale recipe, with no download: a randomly initialised model with the Qwen3-1.7B
 configuration, (1) the training-step throughput of train_seq.py's GRPO update (acl.step.train_on with
 grpo_loss, under FSDP2 with bf16 MixedPrecisionPolicy) in tokens/s and MFU, and (2) the hf backend's
-generation throughput (acl.engine.HFBackend, bf16: eager, then its decode steps as CUDA graphs), and with --lora R (3) the same update on mle.py's expert (the
-model frozen, a rank-R adapter trained) beside full fine-tuning. Run through bench/gpu.sh on one H200 (under 8 minutes):
+generation throughput (acl.engine.HFBackend, bf16: eager, then its decode steps as CUDA graphs), with --lora R
+(3) the same update on mle.py's expert (the model frozen, a rank-R adapter trained) beside full fine-tuning, and
+with --compile (4) the same update with the norms and SwiGLU compiled (--compile) beside the eager one. Run through
+bench/gpu.sh on one H200 (under 8 minutes):
 
     bash bench/gpu.sh                                             # torchrun --nproc_per_node=1 bench/gpu_step.py
     torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8 --prompt-len 512 --completion-len 1536
@@ -99,6 +101,8 @@ def main(argv=None):
     p.add_argument("--gen-tokens", type=int, default=256, help="generation: new tokens per sequence")
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="also time the same update on mle.py's expert: "
                    "the model frozen, a LoRA adapter of this rank on every projection trained (printed beside)")
+    p.add_argument("--compile", action="store_true", help="also time the same update with the norms and SwiGLU "
+                   "compiled (--compile: common.compile_layers), printed beside the eager one")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's): the config's "
                    "width with a few layers, for --vs-dry-run at 8B width on one GPU")
     p.add_argument("--vs-dry-run", action="store_true", help="also print --dry-run's estimate of the training memory "
@@ -132,7 +136,7 @@ def main(argv=None):
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     attn = resolve_attn("auto")
-    def build(lora_rank=0):
+    def build(lora_rank=0, compiled=False):
         torch.manual_seed(0)
         with torch.device(device):
             m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
@@ -142,7 +146,7 @@ def main(argv=None):
             import mle
             m = mle.with_adapter(m, SimpleNamespace(lora_rank=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                                                     lora_targets=list(mle.TARGETS)))
-        m = shard(m, bf16=cuda, cpu_offload=False)
+        m = shard(m, bf16=cuda, cpu_offload=False, compiled=compiled)
         return m, torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-6, betas=(0.9, 0.999),
                                     weight_decay=0.0)
     model, opt = build()
@@ -182,6 +186,10 @@ def main(argv=None):
     train_tok_s = tokens / dt
     tflops = flops / dt / 1e12
     del model, opt
+    if a.compile:   # the same update, the norms and SwiGLU compiled (their compilation in the warm-up, not timed)
+        model, opt = build(compiled=True)
+        compiled_dt, compiled_loss, compiled_mem = timed(model, opt)
+        del model, opt
     if a.lora:   # the same update on the expert (MFU is not comparable: the frozen weights get no gradient)
         model, opt = build(a.lora)
         n_lora = sum(q.numel() for q in model.parameters() if q.requires_grad)
@@ -221,6 +229,10 @@ def main(argv=None):
     if estimate is not None:
         print0(f"| training memory: --dry-run's estimate, measured allocated ÷ it | {estimate / 2**30:.1f} GiB, "
                f"{peak_mem[0] * 2**30 / estimate:.2f} |")
+    if a.compile:
+        print0(f"| same update, norms and SwiGLU compiled (--compile): tokens/s, x eager, MFU, peak memory | "
+               f"{tokens / compiled_dt:,.0f} ({dt / compiled_dt:.2f}x eager; loss {compiled_loss:+.4f}), "
+               f"{100 * flops / compiled_dt / 1e12 / PEAK_TFLOPS:.1f}%, {compiled_mem[0]:.1f} GiB |")
     if a.lora:
         print0(f"| LoRA rank {a.lora} expert ({n_lora / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
                f"memory | {tokens / lora_dt:,.0f} ({dt / lora_dt:.2f}x full fine-tuning), {lora_mem[0]:.1f} GiB |")

@@ -6,7 +6,8 @@ the clip fraction and the updated full state dict to argv[1]. argv[4] "uneven": 
 rank 1 one (train_on and episode_logprobs must pad the smaller rank's passes), and the episodes' log-probs
 (acl.step.episode_logprobs, gathered) are written too. argv[4] "lora": the model is mle.py's expert (the frozen
 micro Qwen3 with a LoRA adapter whose B is made non-zero, AdamW on the adapter only, the k3 KL to the adapter-disabled
-model through mle.AdapterOff), sharded the same way. argv[5] "nccl-like": the process group is the one init_dist starts
+model through mle.AdapterOff), sharded the same way. argv[4] "compiled-ranks": under torchrun the model's norms and
+SwiGLU are compiled (shard(compiled=True), --compile), alone it runs eager: the one-rank run is the reference. argv[5] "nccl-like": the process group is the one init_dist starts
 on GPUs with NCCL's part played by gloo (nccl_like), so it refuses a CPU tensor wherever NCCL would; argv[5] "nccl":
 the bare NCCL group of before (every run on GPUs stopped at its first update), which must fail here too."""
 import argparse
@@ -81,7 +82,7 @@ def main():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn_like(p) * 0.1)
-    model = shard(model)
+    model = shard(model, compiled=len(sys.argv) > 4 and sys.argv[4] == "compiled-ranks" and world_size() > 1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2) if lora else \
         torch.optim.SGD(model.parameters(), lr=1.0)
     eps = episodes()
@@ -106,7 +107,8 @@ def main():
     clip = stats["clip"]
     sd = full_state_dict(model)
     if rank() == 0:
-        torch.save({"loss": loss, "clip": clip, "state": sd, "logprobs": lps}, sys.argv[1])
+        torch.save({"loss": loss, "clip": clip, "state": sd, "logprobs": lps,
+                    "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}, sys.argv[1])   # compiled
     teardown()
 
 

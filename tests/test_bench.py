@@ -146,6 +146,9 @@ def test_gpu_step_smoke(tmp_path, args):
     assert len(graphs) == 1 and re.fullmatch(r"[\d,]+ \(\d+\.\d\dx eager; .*\)", graphs[0]), graphs
     lora = [v[0] for k, v in rows.items() if k.startswith("LoRA rank")]
     assert len(lora) == ("--lora" in args) and all(re.fullmatch(r"[\d,]+ \(\d+\.\d\dx full fine-tuning\), .*", x) for x in lora)
+    comp = [v[0] for k, v in rows.items() if k.startswith("same update, norms and SwiGLU compiled")]
+    assert len(comp) == ("--compile" in args) and all(re.fullmatch(r"[\d,]+ \(\d+\.\d\dx eager; loss .*\), \d+\.\d%, .*",
+                                                                   x) for x in comp)
 
 
 # ----------------------------------------------------------------------------- bench/bm25_index.py

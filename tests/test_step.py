@@ -248,3 +248,48 @@ def test_a_lora_policy_takes_the_fused_head_and_its_frozen_weights_get_no_gradie
     assert grads[True] and all("lora_" in n for n in grads[True])
     assert grads[True].keys() == grads[False].keys()
     assert all(torch.allclose(grads[True][n], grads[False][n], atol=1e-5) for n in grads[True])
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_compiled_norms_and_swiglu_give_the_eager_values_and_gradients(ckpt):
+    """--compile (common.compile_layers): the RMSNorms and the MLP's SiLU * up through torch.compile give the eager
+    log-probs and every gradient to rounding: on the shared-prompt path, under activation checkpointing, for a
+    batch of other lengths (one graph, dynamic shapes), without gradients (a reference model), and on a LoRA policy
+    (adapter gradients only); the state-dict keys stay, and the compiled functions really ran."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from acl.common import checkpoint_activations, compile_layers
+    from envs.rollout import Episode
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**dict(CFG, tie_word_embeddings=False))).train()
+    if ckpt:
+        checkpoint_activations(model)
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "up_proj", "down_proj"],
+                                                           init_lora_weights=False))
+    eps = [Episode("a", "math", "train", k, [5, 6, 7, 8] + c, [0] * 4 + [1] * len(c), [0.0] * (4 + len(c)), 4)
+           for k, c in enumerate([[9, 10, 11, 3, 4, 5, 6, 7, 8, 9], [12, 13], [14, 15, 16, 17]])]
+    eps.append(Episode("b", "math", "train", 0, [20, 21] + [22, 23], [0, 0, 1, 1], [0.0] * 4, 2))
+    batches = [acl.step.pack(eps, 0), acl.step.pack(eps[1:3], 0)]
+
+    def run(m, b):
+        m.zero_grad()
+        lp = acl.step.token_logprobs(m, b, temperature=0.8)
+        (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp) * b["mask"]).sum().backward()
+        with torch.no_grad():
+            frozen = acl.step.token_logprobs(m, b)
+        return lp.detach() * b["mask"], frozen * b["mask"], \
+            {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    keys = sorted(model.state_dict())
+    eager = [run(model, b) for b in batches] + [run(lora, batches[0])]
+    torch._dynamo.utils.counters.clear()
+    compile_layers(model), compile_layers(lora)
+    got = [run(model, b) for b in batches] + [run(lora, batches[0])]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2     # the norm's and the SwiGLU's, compiled
+    assert sorted(model.state_dict()) == keys
+    assert all("lora_" in n for n in got[2][2]) and got[2][2].keys() == eager[2][2].keys()
+    for (lp, frozen, grads), (lp0, frozen0, grads0) in zip(got, eager):
+        assert torch.allclose(lp, lp0, atol=1e-5) and torch.allclose(frozen, frozen0, atol=1e-5)
+        for n, g in grads0.items():
+            assert torch.allclose(grads[n], g, atol=1e-5), n
