@@ -40,7 +40,7 @@ if [ "$CPU" = 1 ]; then
     step install python train_seq.py --check-install
     step gpu-tier python -m pytest -q -m gpu tests/test_gpu.py -k "not kept_cache and not graph_decoding"
     step kv-sdpa python -m pytest -q -s -m gpu tests/test_gpu.py -k "kept_cache or graph_decoding"
-    step step-figures python bench/gpu_step.py --smoke --lora 4 --compile
+    step step-figures python bench/gpu_step.py --smoke --lora 4 --compile --profile
     step memory-8b-width python bench/gpu_step.py --smoke --layers 3 --vs-dry-run
 else
     step install timeout 30 python train_seq.py --check-install

@@ -103,6 +103,8 @@ def main(argv=None):
                    "the model frozen, a LoRA adapter of this rank on every projection trained (printed beside)")
     p.add_argument("--compile", action="store_true", help="also time the same update with the norms and SwiGLU "
                    "compiled (--compile: common.compile_layers), printed beside the eager one")
+    p.add_argument("--profile", action="store_true", help="also count, with torch.profiler, the kernels one update "
+                   "launches (CUDA kernels on a GPU, aten ops on a CPU) for each update timed")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's): the config's "
                    "width with a few layers, for --vs-dry-run at 8B width on one GPU")
     p.add_argument("--vs-dry-run", action="store_true", help="also print --dry-run's estimate of the training memory "
@@ -166,34 +168,45 @@ def main(argv=None):
             torch.cuda.synchronize()
 
     # ---- the training step: one GRPO update on the batch, timed after a warm-up -> (seconds, loss, peak GiB)
-    def timed(model, opt):
+    launches = {}   # --profile: update -> kernels launched (CUDA kernels; on a CPU, aten ops) by one update
+
+    def timed(model, opt, name):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         model.train()
         times = []
+        update = lambda: train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, flags),  # noqa: E731
+                                  micro_batch=flags.micro_batch, agg=flags.agg, grad_clip=flags.grad_clip,
+                                  extras=dict(adv=adv))
         for s in range(1 + a.steps):
             sync()
             t0 = time.time()
-            loss, _ = train_on(model, opt, eps, lambda lp, b, x: train_seq.grpo_loss(lp, b, x, flags),
-                               micro_batch=flags.micro_batch, agg=flags.agg, grad_clip=flags.grad_clip,
-                               extras=dict(adv=adv))
+            loss, _ = update()
             sync()
             if s:
                 times.append(time.time() - t0)
+        if a.profile:   # one more update, after the timed ones
+            from torch.autograd import DeviceType
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                update()
+                sync()
+            launches[name] = sum(1 for e in prof.events() if (e.device_type == DeviceType.CUDA if cuda else
+                                                              e.name.startswith("aten::")))
         return sum(times) / len(times), loss, (torch.cuda.max_memory_allocated() / 2**30,
                                                torch.cuda.max_memory_reserved() / 2**30) if cuda else (float("nan"),) * 2
-    dt, loss, peak_mem = timed(model, opt)
+    dt, loss, peak_mem = timed(model, opt, "eager")
     train_tok_s = tokens / dt
     tflops = flops / dt / 1e12
     del model, opt
     if a.compile:   # the same update, the norms and SwiGLU compiled (their compilation in the warm-up, not timed)
         model, opt = build(compiled=True)
-        compiled_dt, compiled_loss, compiled_mem = timed(model, opt)
+        compiled_dt, compiled_loss, compiled_mem = timed(model, opt, "compiled")
         del model, opt
     if a.lora:   # the same update on the expert (MFU is not comparable: the frozen weights get no gradient)
         model, opt = build(a.lora)
         n_lora = sum(q.numel() for q in model.parameters() if q.requires_grad)
-        lora_dt, _, lora_mem = timed(model, opt)
+        lora_dt, _, lora_mem = timed(model, opt, f"LoRA rank {a.lora}")
         del model, opt
 
     # ---- generation: the hf backend on a bf16 copy (what an FSDP2 rank samples with under --backend hf)
@@ -236,6 +249,9 @@ def main(argv=None):
     if a.lora:
         print0(f"| LoRA rank {a.lora} expert ({n_lora / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
                f"memory | {tokens / lora_dt:,.0f} ({dt / lora_dt:.2f}x full fine-tuning), {lora_mem[0]:.1f} GiB |")
+    if a.profile:
+        print0(f"| {'CUDA kernels' if cuda else 'aten ops'} launched by one update (torch.profiler) | "
+               f"{', '.join(f'{k} {v:,}' for k, v in launches.items())} |")
     print0(f"| hf generation: {a.gen_batch} x ({a.gen_prompt_len} prompt + {a.gen_tokens} new) tokens/s, eager "
            f"| {gen_rate[False]:,.0f} |")
     print0(f"| same, decode steps as CUDA graphs (ACL_CUDA_GRAPHS=1; on a CPU the static step, eager) | "
