@@ -793,6 +793,18 @@ def _swiglu(gate, up):
     return torch.nn.functional.silu(gate) * up
 
 
+_COMPILED = []
+
+
+def _compiled() -> tuple:
+    """(_rms_norm, _swiglu) compiled once per process, shared by every layer and every model: one graph per kind (and
+    per grad mode and dtype: the recompile limit raised to 32 for those, from torch's 8)."""
+    if not _COMPILED:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        _COMPILED.extend([torch.compile(_rms_norm, dynamic=True), torch.compile(_swiglu, dynamic=True)])
+    return tuple(_COMPILED)
+
+
 def compile_layers(model):
     """--compile: torch.compile the decoder's elementwise work, which eager PyTorch launches as many small memory-bound
     kernels: every RMSNorm (fp32 cast, square, mean, rsqrt, scale) and the MLP's SiLU(gate) * up, each one fused
@@ -803,17 +815,14 @@ def compile_layers(model):
     modules keep their parameters and state-dict keys. Values and gradients equal the eager ones to rounding
     (tests/test_step.py). Opt-in until a GPU measures what it buys (bench/gpu.sh prints it beside the eager update)."""
     import functools
-    global _rms_norm_c, _swiglu_c
-    if "_rms_norm_c" not in globals():   # one compiled function each, shared by every layer and every model
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)   # grad modes, dtypes
-        _rms_norm_c, _swiglu_c = torch.compile(_rms_norm, dynamic=True), torch.compile(_swiglu, dynamic=True)
+    rms_norm_c, swiglu_c = _compiled()
 
     def norm(mod, x):
-        return _rms_norm_c(x.reshape(-1, x.shape[-1]), mod.weight, mod.variance_epsilon).view(x.shape)
+        return rms_norm_c(x.reshape(-1, x.shape[-1]), mod.weight, mod.variance_epsilon).view(x.shape)
 
     def mlp(mod, x):
         flat = x.reshape(-1, x.shape[-1])
-        return mod.down_proj(_swiglu_c(mod.gate_proj(flat), mod.up_proj(flat))).view(*x.shape[:-1], -1)
+        return mod.down_proj(swiglu_c(mod.gate_proj(flat), mod.up_proj(flat))).view(*x.shape[:-1], -1)
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model   # a peft model wraps it
     n = 0

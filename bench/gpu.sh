@@ -7,5 +7,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8 --lora 16 --compile --steps 3
-torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 16 --grad-ckpt --gen-batch 128
+torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 8 --lora 16 --compile --steps 2
+torchrun --standalone --nproc_per_node=1 bench/gpu_step.py --micro-batch 16 --grad-ckpt --gen-batch 128 --steps 3

@@ -199,10 +199,16 @@ def main(argv=None):
     train_tok_s = tokens / dt
     tflops = flops / dt / 1e12
     del model, opt
+    compile_error = None
     if a.compile:   # the same update, the norms and SwiGLU compiled (their compilation in the warm-up, not timed)
-        model, opt = build(compiled=True)
-        compiled_dt, compiled_loss, compiled_mem = timed(model, opt, "compiled")
-        del model, opt
+        try:        # a compiler failure is a row of the table, not the loss of the others
+            model, opt = build(compiled=True)
+            compiled_dt, compiled_loss, compiled_mem = timed(model, opt, "compiled")
+        except Exception as e:
+            compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        model = opt = None
+        if cuda:
+            torch.cuda.empty_cache()
     if a.lora:   # the same update on the expert (MFU is not comparable: the frozen weights get no gradient)
         model, opt = build(a.lora)
         n_lora = sum(q.numel() for q in model.parameters() if q.requires_grad)
@@ -243,9 +249,10 @@ def main(argv=None):
         print0(f"| training memory: --dry-run's estimate, measured allocated ÷ it | {estimate / 2**30:.1f} GiB, "
                f"{peak_mem[0] * 2**30 / estimate:.2f} |")
     if a.compile:
-        print0(f"| same update, norms and SwiGLU compiled (--compile): tokens/s, x eager, MFU, peak memory | "
-               f"{tokens / compiled_dt:,.0f} ({dt / compiled_dt:.2f}x eager; loss {compiled_loss:+.4f}), "
-               f"{100 * flops / compiled_dt / 1e12 / PEAK_TFLOPS:.1f}%, {compiled_mem[0]:.1f} GiB |")
+        print0("| same update, norms and SwiGLU compiled (--compile): tokens/s, x eager, MFU, peak memory | " +
+               (f"failed: {compile_error} |" if compile_error else
+                f"{tokens / compiled_dt:,.0f} ({dt / compiled_dt:.2f}x eager; loss {compiled_loss:+.4f}), "
+                f"{100 * flops / compiled_dt / 1e12 / PEAK_TFLOPS:.1f}%, {compiled_mem[0]:.1f} GiB |"))
     if a.lora:
         print0(f"| LoRA rank {a.lora} expert ({n_lora / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
                f"memory | {tokens / lora_dt:,.0f} ({dt / lora_dt:.2f}x full fine-tuning), {lora_mem[0]:.1f} GiB |")
