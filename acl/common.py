@@ -9,6 +9,7 @@ every collective below is a no-op.
 """
 import argparse
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -793,16 +794,12 @@ def _swiglu(gate, up):
     return torch.nn.functional.silu(gate) * up
 
 
-_COMPILED = []
-
-
+@functools.cache
 def _compiled() -> tuple:
     """(_rms_norm, _swiglu) compiled once per process, shared by every layer and every model: one graph per kind (and
     per grad mode and dtype: the recompile limit raised to 32 for those, from torch's 8)."""
-    if not _COMPILED:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        _COMPILED.extend([torch.compile(_rms_norm, dynamic=True), torch.compile(_swiglu, dynamic=True)])
-    return tuple(_COMPILED)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    return torch.compile(_rms_norm, dynamic=True), torch.compile(_swiglu, dynamic=True)
 
 
 def compile_layers(model):
@@ -814,7 +811,6 @@ def compile_layers(model):
     flattened to (tokens, width) with dynamic shapes, so micro-batches of other lengths reuse one graph; the patched
     modules keep their parameters and state-dict keys. Values and gradients equal the eager ones to rounding
     (tests/test_step.py). Opt-in until a GPU measures what it buys (bench/gpu.sh prints it beside the eager update)."""
-    import functools
     rms_norm_c, swiglu_c = _compiled()
 
     def norm(mod, x):

@@ -11,7 +11,8 @@
 #      same checks tests/test_engine.py runs on the CPU with stock sdpa); then the same with every decode step replayed
 #      as a CUDA graph (HFBackend(graphs=True), ACL_CUDA_GRAPHS=1); the largest log-prob gaps in the log;
 #   4. bench/gpu.sh's step figures: GRPO update tokens/s and MFU against the nominal and the measured bf16 matmul peak,
-#      the norms and SwiGLU compiled and LoRA beside full fine-tuning, allocated and reserved memory peaks, hf generation tokens/s eager and graphed;
+#      the norms and SwiGLU compiled and LoRA beside full fine-tuning, allocated and reserved memory peaks, hf
+#      generation tokens/s eager and graphed;
 #   5. memory at the 8B width: Qwen3-8B's layers and vocabulary with 3 layers, one GRPO update's measured peak beside
 #      --dry-run's estimate for the same model (the terms the README's 8B memory table extrapolates).
 # On a GPU each step has a timeout; they sum to 480 s (tests/test_bench.py holds it), so the check ends within 8 min.

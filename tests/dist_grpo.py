@@ -7,9 +7,10 @@ rank 1 one (train_on and episode_logprobs must pad the smaller rank's passes), a
 (acl.step.episode_logprobs, gathered) are written too. argv[4] "lora": the model is mle.py's expert (the frozen
 micro Qwen3 with a LoRA adapter whose B is made non-zero, AdamW on the adapter only, the k3 KL to the adapter-disabled
 model through mle.AdapterOff), sharded the same way. argv[4] "compiled-ranks": under torchrun the model's norms and
-SwiGLU are compiled (shard(compiled=True), --compile), alone it runs eager: the one-rank run is the reference. argv[5] "nccl-like": the process group is the one init_dist starts
-on GPUs with NCCL's part played by gloo (nccl_like), so it refuses a CPU tensor wherever NCCL would; argv[5] "nccl":
-the bare NCCL group of before (every run on GPUs stopped at its first update), which must fail here too."""
+SwiGLU are compiled (shard(compiled=True), --compile), alone it runs eager: the one-rank run is the reference.
+argv[5] "nccl-like": the process group is the one init_dist starts on GPUs with NCCL's part played by gloo
+(nccl_like), so it refuses a CPU tensor wherever NCCL would; argv[5] "nccl": the bare NCCL group of before (every run
+on GPUs stopped at its first update), which must fail here too."""
 import argparse
 import os
 import sys
