@@ -81,7 +81,7 @@ def add_scale_flags(p, preset: str):
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=s["grad_ckpt"],
                    help="activation checkpointing")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the "
-                   "RMSNorms and the MLP's SiLU * up of the trained and the reference models (common.compile_layers; "
+                   "RMSNorms and the MLP's SiLU * up of the trained and the reference models (acl/compiled.py; "
                    "off until a GPU measures it: bench/gpu.sh)")
     p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters")
     p.add_argument("--save-dtype", default=s["save_dtype"], choices=sorted(SAVE_DTYPES),

@@ -102,7 +102,7 @@ def main(argv=None):
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="also time the same update on mle.py's expert: "
                    "the model frozen, a LoRA adapter of this rank on every projection trained (printed beside)")
     p.add_argument("--compile", action="store_true", help="also time the same update with the norms and SwiGLU "
-                   "compiled (--compile: common.compile_layers), printed beside the eager one")
+                   "compiled (--compile: acl/compiled.py), printed beside the eager one")
     p.add_argument("--profile", action="store_true", help="also count, with torch.profiler, the kernels one update "
                    "launches (CUDA kernels on a GPU, aten ops on a CPU) for each update timed")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's): the config's "

@@ -252,14 +252,15 @@ def test_a_lora_policy_takes_the_fused_head_and_its_frozen_weights_get_no_gradie
 
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_compiled_norms_and_swiglu_give_the_eager_values_and_gradients(ckpt):
-    """--compile (common.compile_layers): the RMSNorms and the MLP's SiLU * up through torch.compile give the eager
+    """--compile (acl.compiled.compile_layers): the RMSNorms and the MLP's SiLU * up through torch.compile give the eager
     log-probs and every gradient to rounding: on the shared-prompt path, under activation checkpointing, for a
     batch of other lengths (one graph, dynamic shapes), without gradients (a reference model), and on a LoRA policy
     (adapter gradients only); the state-dict keys stay, and the compiled functions really ran."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from acl.common import checkpoint_activations, compile_layers
+    from acl.common import checkpoint_activations
+    from acl.compiled import compile_layers
     from envs.rollout import Episode
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**dict(CFG, tie_word_embeddings=False))).train()
