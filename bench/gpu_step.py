@@ -151,8 +151,10 @@ def main(argv=None):
         m = shard(m, bf16=cuda, cpu_offload=False, compiled=compiled)
         return m, torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-6, betas=(0.9, 0.999),
                                     weight_decay=0.0)
-    model, opt = build()
-    n_params = sum(t.numel() for t in model.parameters())
+    gpu_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    measured = matmul_peak(device)   # before any model: the GPU's memory is free
+    with torch.device("meta"):
+        n_params = sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
     run = train_seq.get_args(["--preset", "qwen3-8b", "--micro-batch", str(a.micro_batch), "--curriculum", "math",
                               "--world-size", "1", "--dry-run"])   # (--dry-run: resolve the flags, load nothing)
     flags = train_seq.stage_args(train_seq.check_args(run), "math")
@@ -167,10 +169,32 @@ def main(argv=None):
         if cuda:
             torch.cuda.synchronize()
 
+    failed = []   # each measurement that raised (out of memory, a compiler error): its row says so, the rest still run
+
+    def attempt(what, fn):
+        """fn() -> its value, or None with `what` in `failed` and the error as the row's value (the table goes on)."""
+        try:
+            return fn()
+        except Exception as e:
+            failed.append(what)
+            print0(f"| {what} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |")
+            return None
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+
+    # each row is printed as soon as it is measured: a run cut short by a timeout keeps what it measured
+    print0(f"bench/gpu_step.py on {gpu_name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, attention {attn}, "
+           f"{a.config} config{f' at {a.layers} layers' if a.layers else ''} ({n_params / 1e9:.2f}B parameters"
+           f"{', micro smoke' if a.smoke else ''}), random init")
+    print0("| measure | value |\n|---|---|")
+
     # ---- the training step: one GRPO update on the batch, timed after a warm-up -> (seconds, loss, peak GiB)
     launches = {}   # --profile: update -> kernels launched (CUDA kernels; on a CPU, aten ops) by one update
 
-    def timed(model, opt, name):
+    def timed(lora_rank=0, compiled=False, name="eager"):
+        model, opt = build(lora_rank, compiled)
+        n_trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         model.train()
@@ -193,27 +217,40 @@ def main(argv=None):
                 sync()
             launches[name] = sum(1 for e in prof.events() if (e.device_type == DeviceType.CUDA if cuda else
                                                               e.name.startswith("aten::")))
-        return sum(times) / len(times), loss, (torch.cuda.max_memory_allocated() / 2**30,
-                                               torch.cuda.max_memory_reserved() / 2**30) if cuda else (float("nan"),) * 2
-    dt, loss, peak_mem = timed(model, opt, "eager")
-    train_tok_s = tokens / dt
-    tflops = flops / dt / 1e12
-    del model, opt
-    compile_error = None
-    if a.compile:   # the same update, the norms and SwiGLU compiled (their compilation in the warm-up, not timed)
-        try:        # a compiler failure is a row of the table, not the loss of the others
-            model, opt = build(compiled=True)
-            compiled_dt, compiled_loss, compiled_mem = timed(model, opt, "compiled")
-        except Exception as e:
-            compile_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        model = opt = None
-        if cuda:
-            torch.cuda.empty_cache()
-    if a.lora:   # the same update on the expert (MFU is not comparable: the frozen weights get no gradient)
-        model, opt = build(a.lora)
-        n_lora = sum(q.numel() for q in model.parameters() if q.requires_grad)
-        lora_dt, _, lora_mem = timed(model, opt, f"LoRA rank {a.lora}")
-        del model, opt
+        mem = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) if cuda \
+            else (float("nan"),) * 2
+        return sum(times) / len(times), loss, mem, n_trained
+    update_name = (f"GRPO update: {len(eps)} sequences of {a.prompt_len}+{a.completion_len} tokens, micro-batch "
+                   f"{a.micro_batch}, grad ckpt {a.grad_ckpt}")
+    eager = attempt(update_name, timed)
+    if eager:
+        dt, loss, peak_mem, _ = eager
+        tflops = flops / dt / 1e12
+        print0(f"| {update_name} | {dt:.2f} s (loss {loss:+.4f}) |")
+        print0(f"| training tokens/s | {tokens / dt:,.0f} |")
+        print0(f"| model TFLOP/s | {tflops:.1f} |")
+        print0(f"| MFU (vs {PEAK_TFLOPS:.0f} TFLOP/s nominal bf16 dense) | {100 * tflops / PEAK_TFLOPS:.1f}% "
+               "(target >= 35%) |")
+        if measured:
+            print0(f"| bf16 matmul 8192^3 measured here; MFU against it | {measured:.0f} TFLOP/s; "
+                   f"{100 * tflops / measured:.1f}% |")
+        print0(f"| peak GPU memory, training: allocated, reserved | {peak_mem[0]:.1f} GiB, {peak_mem[1]:.1f} GiB |")
+        if estimate is not None:
+            print0(f"| training memory: --dry-run's estimate, measured allocated ÷ it | {estimate / 2**30:.1f} GiB, "
+                   f"{peak_mem[0] * 2**30 / estimate:.2f} |")
+    vs_eager = lambda t: f"{eager[0] / t:.2f}x" if eager else "eager failed"  # noqa: E731
+    compile_name = "same update, norms and SwiGLU compiled (--compile): tokens/s, x eager, MFU, peak memory"
+    if a.compile and (r := attempt(compile_name, lambda: timed(compiled=True, name="compiled"))):
+        print0(f"| {compile_name} | {tokens / r[0]:,.0f} ({vs_eager(r[0])} eager; loss {r[1]:+.4f}), "
+               f"{100 * flops / r[0] / 1e12 / PEAK_TFLOPS:.1f}%, {r[2][0]:.1f} GiB |")
+    # the same update on the expert (MFU is not comparable: the frozen weights get no gradient)
+    lora_name = f"LoRA rank {a.lora} expert, same update: tokens/s, x full, peak memory"
+    if a.lora and (r := attempt(lora_name, lambda: timed(a.lora, name=f"LoRA rank {a.lora}"))):
+        print0(f"| LoRA rank {a.lora} expert ({r[3] / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
+               f"memory | {tokens / r[0]:,.0f} ({vs_eager(r[0])} full fine-tuning), {r[2][0]:.1f} GiB |")
+    if a.profile:
+        print0(f"| {'CUDA kernels' if cuda else 'aten ops'} launched by one update (torch.profiler) | "
+               f"{', '.join(f'{k} {v:,}' for k, v in launches.items())} |")
 
     # ---- generation: the hf backend on a bf16 copy (what an FSDP2 rank samples with under --backend hf)
     with torch.device(device):
@@ -221,49 +258,28 @@ def main(argv=None):
                                                   attn_implementation=attn).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, cfg.vocab_size, (a.gen_prompt_len,), generator=g).tolist() for _ in range(a.gen_batch)]
-    gen_rate = {}
-    for graphs in (False, True):   # eager decode steps, then each step replayed as a CUDA graph (GraphDecode)
+
+    def gen_rate(graphs):   # eager decode steps, or each step replayed as a CUDA graph (GraphDecode)
         backend = HFBackend(engine, SimpleNamespace(pad_token_id=0), max_batch=a.gen_batch, graphs=graphs)  # token ids
         backend.generate(prompts[:2], 4, 1.0, [])   # warm-up (the batch's own graph is captured inside the timing)
         sync()
         t0 = time.time()
         gens = backend.generate(prompts, a.gen_tokens, 1.0, [])   # no stop token: every row runs to the limit
         sync()
-        gen_rate[graphs] = sum(len(x.token_ids) for x in gens) / (time.time() - t0)
-
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    print0(f"bench/gpu_step.py on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, attention {attn}, "
-           f"{a.config} config{f' at {a.layers} layers' if a.layers else ''} ({n_params / 1e9:.2f}B parameters{', micro smoke' if a.smoke else ''}), random init")
-    print0("| measure | value |\n|---|---|")
-    print0(f"| GRPO update: {len(eps)} sequences of {a.prompt_len}+{a.completion_len} tokens, micro-batch "
-           f"{a.micro_batch}, grad ckpt {a.grad_ckpt} | {dt:.2f} s (loss {loss:+.4f}) |")
-    print0(f"| training tokens/s | {train_tok_s:,.0f} |")
-    print0(f"| model TFLOP/s | {tflops:.1f} |")
-    measured = matmul_peak(device)
-    print0(f"| MFU (vs {PEAK_TFLOPS:.0f} TFLOP/s nominal bf16 dense) | {100 * tflops / PEAK_TFLOPS:.1f}% (target >= 35%) |")
-    if measured:
-        print0(f"| bf16 matmul 8192^3 measured here; MFU against it | {measured:.0f} TFLOP/s; "
-               f"{100 * tflops / measured:.1f}% |")
-    print0(f"| peak GPU memory, training: allocated, reserved | {peak_mem[0]:.1f} GiB, {peak_mem[1]:.1f} GiB |")
-    if estimate is not None:
-        print0(f"| training memory: --dry-run's estimate, measured allocated ÷ it | {estimate / 2**30:.1f} GiB, "
-               f"{peak_mem[0] * 2**30 / estimate:.2f} |")
-    if a.compile:
-        print0("| same update, norms and SwiGLU compiled (--compile): tokens/s, x eager, MFU, peak memory | " +
-               (f"failed: {compile_error} |" if compile_error else
-                f"{tokens / compiled_dt:,.0f} ({dt / compiled_dt:.2f}x eager; loss {compiled_loss:+.4f}), "
-                f"{100 * flops / compiled_dt / 1e12 / PEAK_TFLOPS:.1f}%, {compiled_mem[0]:.1f} GiB |"))
-    if a.lora:
-        print0(f"| LoRA rank {a.lora} expert ({n_lora / 1e6:.1f}M trainable), same update: tokens/s, x full, peak "
-               f"memory | {tokens / lora_dt:,.0f} ({dt / lora_dt:.2f}x full fine-tuning), {lora_mem[0]:.1f} GiB |")
-    if a.profile:
-        print0(f"| {'CUDA kernels' if cuda else 'aten ops'} launched by one update (torch.profiler) | "
-               f"{', '.join(f'{k} {v:,}' for k, v in launches.items())} |")
-    print0(f"| hf generation: {a.gen_batch} x ({a.gen_prompt_len} prompt + {a.gen_tokens} new) tokens/s, eager "
-           f"| {gen_rate[False]:,.0f} |")
-    print0(f"| same, decode steps as CUDA graphs (ACL_CUDA_GRAPHS=1; on a CPU the static step, eager) | "
-           f"{gen_rate[True]:,.0f} ({gen_rate[True] / gen_rate[False]:.2f}x eager; target >= 4x the 882 of 2026-12-04) |")
-    teardown()
+        return sum(len(x.token_ids) for x in gens) / (time.time() - t0)
+    gen_name = f"hf generation: {a.gen_batch} x ({a.gen_prompt_len} prompt + {a.gen_tokens} new) tokens/s, eager"
+    if (plain := attempt(gen_name, lambda: gen_rate(False))):
+        print0(f"| {gen_name} | {plain:,.0f} |")
+    graph_name = "same, decode steps as CUDA graphs (ACL_CUDA_GRAPHS=1; on a CPU the static step, eager)"
+    if (graphed := attempt(graph_name, lambda: gen_rate(True))):
+        print0(f"| {graph_name} | {graphed:,.0f} ({f'{graphed / plain:.2f}x' if plain else 'eager failed'} eager; "
+               "target >= 4x the 882 of 2026-12-04) |")
+    if failed:
+        print0(f"bench/gpu_step.py: FAILED: {'; '.join(failed)}")
+    teardown(exit_now=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)   # (as teardown: gloo's threads can abort a finished process at shutdown)
 
 
 if __name__ == "__main__":
