@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The one-GPU check, prepared for a lent H200 (torch, transformers and peft; no vllm, flash-attn or internet), within
-# 8 minutes, its log in $OUT/gpu_check.log (OUT: the device tool's output folder; default runs/gpu_check):
+# 8 minutes, its log in $OUT/gpu_check.log (OUT: the device tool's output folder; default runs/gpu_check). The image
+# lacks bm25s, langdetect, math-verify and datasets and reaches no index: run `bash bench/gpu_wheels.sh` here first and
+# carry .whl (the device tool's `carry: [".whl"]`); the check installs those wheels first, then:
 #   1. the install check (train_seq.py --check-install: the GPU, NCCL, bf16, every package imports);
 #   2. the GPU tier of the tests (tests/test_gpu.py, pytest -m gpu): the collective helpers, a GRPO update and a DCP
 #      resume round trip under torchrun on NCCL; two stages handed off under torchrun with rank 0's writes slowed;
@@ -41,6 +43,12 @@ step() {   # step NAME command...: runs it, its output into the log and on the t
 }
 echo "gpu_check $(date '+%Y-%m-%d %H:%M') at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), cpu mode $CPU" | tee -a "$LOG"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+WHL=${WHL:-.whl}
+if compgen -G "$WHL/*.whl" > /dev/null; then   # what a lent machine's image lacks (bench/gpu_wheels.sh, carried)
+    step wheels python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "${TMPDIR:-/tmp}/acl-site" "$WHL"/*.whl
+    export PYTHONPATH=${TMPDIR:-/tmp}/acl-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if [ "$CPU" = 1 ]; then
     export ACL_TEST_DEVICE=cpu OMP_NUM_THREADS=1
     step install python train_seq.py --check-install

@@ -216,6 +216,32 @@ def test_gpu_check_fits_its_eight_minutes():
     assert 480 - sum(fixed) >= 150, fixed   # the step figures' least
 
 
+def test_gpu_wheels_for_a_machine_without_an_index(tmp_path):
+    """bench/gpu_wheels.sh (needs the package index, as CI's install does): the packages a lent GPU's image lacks,
+    pure-Python wheels at requirements.txt's pins, one version each; installed the way gpu_check.sh installs them
+    (no index, no dependencies, --target) they are there at those versions; a second run adds nothing."""
+    import importlib.metadata as md
+    env = dict(os.environ, WHL=str(tmp_path / "whl"))
+    run = lambda: subprocess.run(["bash", "bench/gpu_wheels.sh"], cwd=ROOT, env=env, capture_output=True, text=True,  # noqa: E731
+                                 timeout=300)
+    r = run()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    wheels = sorted(os.listdir(tmp_path / "whl"))
+    assert all(re.fullmatch(r"[\w.]+-[\w.]+-py3\d*-none-any\.whl", w) for w in wheels), wheels
+    assert run().returncode == 0 and sorted(os.listdir(tmp_path / "whl")) == wheels
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
+                    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",   # the image's Python
+                    *[str(tmp_path / "whl" / w) for w in wheels]], check=True, capture_output=True, timeout=300)
+    got = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in md.distributions(path=[str(site)])}
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = dict(line.strip().split("==") for line in f if "==" in line and not line.startswith("#"))
+    for name in ("bm25s", "langdetect", "math-verify", "datasets"):
+        assert got.get(name) == pins[name], (name, got)
+    assert len(got) == len(wheels) == 8, got
+    with open(os.path.join(ROOT, "bench", "gpu_check.sh")) as f:
+        assert '--no-index --no-deps' in f.read()
+
 # ----------------------------------------------------------------------------- bench/tiny_sizes.py
 def test_tiny_sizes_smoke(tmp_path):
     """Two sizes at toy batch and length: every column, the 1 M model as the peer (ratio 1.00), positive rates; a bad
