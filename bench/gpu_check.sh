@@ -43,6 +43,7 @@ step() {   # step NAME command...: runs it, its output into the log and on the t
 }
 echo "gpu_check $(date '+%Y-%m-%d %H:%M') at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), cpu mode $CPU" | tee -a "$LOG"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1   # nothing here needs a hub; a lent machine cannot reach one anyway
 WHL=${WHL:-.whl}
 if compgen -G "$WHL/*.whl" > /dev/null; then   # what a lent machine's image lacks (bench/gpu_wheels.sh, carried)
     step wheels python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
