@@ -44,8 +44,10 @@ step() {   # step NAME command...: runs it, its output into the log and on the t
 echo "gpu_check $(date '+%Y-%m-%d %H:%M') at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), cpu mode $CPU" | tee -a "$LOG"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1   # nothing here needs a hub; a lent machine cannot reach one anyway
-WHL=${WHL:-.whl}
-if compgen -G "$WHL/*.whl" > /dev/null; then   # what a lent machine's image lacks (bench/gpu_wheels.sh, carried)
+# what a lent machine's image lacks (bench/gpu_wheels.sh, carried as .whl: CPython 3.12 wheels); with --cpu only from
+# a folder that WHL names (rehearsing the lent image in an environment like it)
+if [ "$CPU" = 1 ]; then WHL=${WHL:-}; else WHL=${WHL:-.whl}; fi
+if [ -n "$WHL" ] && compgen -G "$WHL/*.whl" > /dev/null; then
     step wheels python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "${TMPDIR:-/tmp}/acl-site" "$WHL"/*.whl
     export PYTHONPATH=${TMPDIR:-/tmp}/acl-site${PYTHONPATH:+:$PYTHONPATH}

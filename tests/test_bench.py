@@ -187,13 +187,14 @@ def test_gpu_check_runs_every_step_on_the_cpu(tmp_path):
     """bench/gpu_check.sh --cpu: the install check, the GPU tier of the tests and the hf backend on stock sdpa (on the
     CPU), and the step figures at smoke size, each step's status in the log under $OUT, so the script a lent GPU runs
     has run before."""
+    env = {k: v for k, v in os.environ.items() if k != "WHL"}   # --cpu: no wheels (not even a .whl/ left here)
     r = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OUT=str(tmp_path), TOKENIZERS_PARALLELISM="false"))
+                       env=dict(env, OUT=str(tmp_path), TOKENIZERS_PARALLELISM="false"))
     assert r.returncode == 0, r.stdout[-3000:]
     log = (tmp_path / "gpu_check.log").read_text()
     for name in ("install", "gpu-tier", "kv-sdpa", "step-figures", "memory-8b-width"):
         assert f"== {name}: exit 0" in log, log[-2000:]
-    assert "3 passed" in log and "2 passed" in log and "every step passed" in log
+    assert "3 passed" in log and "2 passed" in log and "every step passed" in log and "== wheels" not in log
     assert "sampled log-probs against teacher forcing on cpu" in log
     assert "graph-decoded log-probs against teacher forcing on cpu" in log
     assert "at 3 layers" in log and "| training memory: --dry-run's estimate, measured allocated ÷ it |" in log
@@ -204,7 +205,7 @@ def test_gpu_check_fits_its_eight_minutes():
     in all, one call at most 10): the step figures get what is left of the 480 s less the later steps' timeouts, at
     least 150 s when every step before them runs to its own; and the same steps as the --cpu branch that CI runs."""
     text = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
-    cpu, gpu = text.split('if [ "$CPU" = 1 ]; then', 1)[1].split("\nelse\n", 1)
+    cpu, gpu = text.split('\nif [ "$CPU" = 1 ]; then\n', 1)[1].split("\nelse\n", 1)
     gpu = gpu.split("\nfi\n", 1)[0]
     steps = lambda branch: re.findall(r"^\s*step (\S+)", branch, re.M)
     assert steps(gpu) == steps(cpu) and len(steps(gpu)) == 5
