@@ -21,8 +21,9 @@ def setup(tmp_path, rc=0):
     (venv / "bin" / "python").write_text(FAKE)
     os.chmod(venv / "bin" / "python", 0o755)
     (venv / "calls.log").unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "ACL_PYTHON"}   # (the tests may run under ACL_PYTHON=...)
     r = subprocess.run(["bash", "-c", f"source {tmp_path}/venv.sh && echo READY $(command -v python)"],
-                       env=dict(os.environ, ACL_VENV=str(venv), FAKE_PIP_RC=str(rc)), capture_output=True, text=True,
+                       env=dict(env, ACL_VENV=str(venv), FAKE_PIP_RC=str(rc)), capture_output=True, text=True,
                        timeout=60)
     calls = (venv / "calls.log").read_text().splitlines() if (venv / "calls.log").exists() else []
     return r.returncode, r.stdout + r.stderr, calls
