@@ -176,18 +176,17 @@ def init_dist(timeout_minutes: float | None = None, bf16: bool = False):
     return device
 
 
-def teardown(exit_now: bool = True):
-    """Barrier, then destroy the process group (gloo aborts at exit without the barrier). Under torchrun
-    the process then exits at once (status 0): on CPU, gloo's worker threads can still abort a finished
-    rank during interpreter shutdown ("terminate called without an active exception", about 1 run in 4
-    after an FSDP2 update), which would fail a run whose work is all done and saved."""
+def teardown(status: int = 0):
+    """Barrier, then destroy the process group (gloo aborts at exit without the barrier). Under a group the process
+    then exits at once with `status`: on CPU, gloo's worker threads can still abort a finished rank during
+    interpreter shutdown ("terminate called without an active exception", about 1 run in 4 after an FSDP2 update),
+    which would fail a run whose work is all done and saved. Without a group it returns."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-        if exit_now:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 # Collectives: a Python number in, a Python float out (the same on every rank); the number itself when not

@@ -276,10 +276,9 @@ def main(argv=None):
                "target >= 4x the 882 of 2026-12-04) |")
     if failed:
         print0(f"bench/gpu_step.py: FAILED: {'; '.join(failed)}")
-    teardown(exit_now=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if failed else 0)   # (as teardown: gloo's threads can abort a finished process at shutdown)
+    status = 1 if failed else 0
+    teardown(status)   # under a process group the process ends here, with this status
+    sys.exit(status)
 
 
 if __name__ == "__main__":

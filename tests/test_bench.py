@@ -151,7 +151,6 @@ def test_gpu_step_smoke(tmp_path, args):
                                                                    x) for x in comp)
 
 
-
 def test_gpu_step_a_failed_row_keeps_the_others(tmp_path):
     """A measurement that raises (LoRA's expert here, out of memory as on a GPU that is too small) is a row that says
     so; the rows before and after it still print, and the bench exits 1 naming it (gpu.sh then runs its next line)."""
@@ -171,6 +170,7 @@ def test_gpu_step_a_failed_row_keeps_the_others(tmp_path):
     with open(os.path.join(ROOT, "bench", "gpu.sh")) as f:   # a failed line does not stop the next one
         text = f.read()
     assert "set -e" not in text and text.count("|| rc=1") == len(gpu_sh_commands()) == 2 and "exit $rc" in text
+
 
 # ----------------------------------------------------------------------------- bench/bm25_index.py
 
@@ -242,6 +242,7 @@ def test_gpu_wheels_for_a_machine_without_an_index(tmp_path):
     assert len(got) == len(wheels) == 8, got
     with open(os.path.join(ROOT, "bench", "gpu_check.sh")) as f:
         assert '--no-index --no-deps' in f.read()
+
 
 # ----------------------------------------------------------------------------- bench/tiny_sizes.py
 def test_tiny_sizes_smoke(tmp_path):
